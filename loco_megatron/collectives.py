@@ -1,0 +1,159 @@
+"""Compensated low-bit reduce-scatter: all-to-all of codes and scales, then a local fp32 sum.
+
+DESIGN.md §2. NCCL and gloo cannot sum 4-bit codes, so ``reduce_scatter_tensor`` becomes:
+
+1. quantize the compensated bucket in its padded :class:`~loco_megatron.layout.BucketLayout`
+   (blocks never straddle DP shards or parameters; each shard is a whole number of blocks);
+2. ``all_to_all_single`` of the packed codes and of the fp32 scales: rank j receives shard j
+   from every rank;
+3. dequantize the received chunks, sum them in fp32 and write the result into ``output`` in its
+   own dtype (divided by the world size for ``ReduceOp.AVG``).
+
+Same signature as ``torch.distributed.reduce_scatter_tensor`` and the same handle contract as
+megatron-core's ``reduce_scatter_with_fp32_accumulation``
+(megatron/core/distributed/reduce_scatter_with_fp32_accumulation.py): with ``async_op=True`` it
+returns a handle whose ``wait()`` finishes the work (step 3).
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Hashable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .compensator import Compensator
+from .layout import BucketLayout
+from .quantization import decode
+
+
+@dataclass
+class WireStats:
+    """Bytes this rank sent to other ranks, exactly, and the stock reduce-scatter equivalent."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    stock_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """LoCo bytes / stock bytes (0 before the first call)."""
+        return self.bytes_sent / self.stock_bytes if self.stock_bytes else 0.0
+
+
+class LoCoWork:
+    """Handle of an asynchronous compensated reduce-scatter; ``wait()`` finishes it (idempotent).
+
+    Args:
+        works: the outstanding ``torch.distributed`` work objects (None entries are skipped).
+        finish: called once after all works completed; writes the reduced shard.
+    """
+
+    def __init__(self, works: List, finish: Callable[[], None]):
+        self._works, self._finish, self._done = works, finish, False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            for w in self._works:
+                if w is not None:
+                    w.wait()
+            self._finish()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+
+class GroupWork:
+    """One handle over several: what megatron-core's bucket group stores as
+    ``grad_reduce_handle`` when LoCo replaced its coalesced reduce-scatters."""
+
+    def __init__(self, works: List):
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            if w is not None:
+                w.wait()
+        return True
+
+
+@lru_cache(maxsize=256)
+def _shard_only_layout(numel: int, world: int, block_size: int) -> BucketLayout:
+    return BucketLayout.build(numel, world, block_size)
+
+
+def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
+                               op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
+                               compensator: Optional[Compensator], key: Hashable = None,
+                               layout: Optional[BucketLayout] = None,
+                               stats: Optional[WireStats] = None):
+    """Reduce-scatter ``input`` into ``output`` with LoCo compression.
+
+    Args:
+        output: this rank's shard, ``[n / world]``, any float dtype; may be a view into
+            ``input`` (megatron-core passes ``shard_buffer(grad_data)[rank]``).
+        input: flat bucket ``[n]``, ``n`` divisible by the group size. Read only.
+        op: ``ReduceOp.SUM`` or ``ReduceOp.AVG``.
+        group: process group (default: WORLD).
+        async_op: return a :class:`LoCoWork` instead of finishing before returning.
+        compensator: the rank's :class:`Compensator`; ``None`` runs the stock
+            ``reduce_scatter_tensor`` unchanged (bits 16/32).
+        key: stable bucket id for the error buffer.
+        layout: the bucket's :class:`~loco_megatron.layout.BucketLayout` (blocks cut at shard and
+            parameter boundaries); default: cut at shard boundaries only.
+        stats: optional :class:`WireStats` updated with exact byte counts.
+
+    Returns:
+        ``LoCoWork`` if ``async_op`` else ``None``.
+
+    Raises:
+        ValueError: an op other than SUM/AVG, or sizes that do not split evenly.
+    """
+    if compensator is None:
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        raise ValueError(f"LoCo reduce-scatter supports ReduceOp.SUM and AVG, not {op}")
+    world = dist.get_world_size(group)
+    n = input.numel()
+    if n % world or output.numel() != n // world:
+        raise ValueError(
+            f"reduce-scatter sizes do not split: input {n} elements, output {output.numel()}, "
+            f"group size {world}"
+        )
+    cfg = compensator.config
+    if layout is None:
+        layout = _shard_only_layout(n, world, cfg.block_size)
+    elif (layout.numel, layout.world, layout.block_size) != (n, world, cfg.block_size):
+        raise ValueError(
+            f"bucket layout for {layout.numel} elements / {layout.world} ranks / block "
+            f"{layout.block_size} used for {n} elements / {world} ranks / block {cfg.block_size}"
+        )
+    shard, pshard = layout.shard, layout.padded_shard
+    work = torch.float64 if input.dtype == torch.float64 else torch.float32
+    payload, scales = compensator.compress(key, layout.to_padded(input.view(-1), work))
+    recv_payload = torch.empty_like(payload)
+    recv_scales = torch.empty_like(scales)
+    works = [
+        dist.all_to_all_single(recv_payload, payload, group=group, async_op=async_op),
+        dist.all_to_all_single(recv_scales, scales, group=group, async_op=async_op),
+    ]
+    if stats is not None:
+        sent = (payload.numel() * payload.element_size() + scales.numel() * 4) // world
+        stats.calls += 1
+        stats.bytes_sent += sent * (world - 1)
+        stats.stock_bytes += shard * input.element_size() * (world - 1)
+
+    def finish():
+        chunks = decode(recv_payload, recv_scales, cfg.bits, cfg.block_size, dtype=work)
+        reduced = chunks.view(world, pshard).sum(dim=0)
+        if op == dist.ReduceOp.AVG:
+            reduced /= world
+        layout.from_padded_shard(reduced, dist.get_rank(group), output)
+
+    handle = LoCoWork(works if async_op else [], finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None

@@ -1,0 +1,82 @@
+"""LoCo configuration: the single source of truth for every LoCo setting.
+
+Modelled on megatron-core's dataclass configs (``DistributedDataParallelConfig``): one docstring
+per field, validation in ``__post_init__`` with the flag named in the message. The argparse flags
+(``--loco-*``) are generated from the fields by :mod:`loco_megatron.megatron.arguments`.
+"""
+
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Optional
+
+#: Bit widths that run the compressed path. 16 and 32 mean "full precision": LoCo off.
+COMPRESSED_BITS = (4, 8)
+FULL_PRECISION_BITS = (16, 32)
+ERROR_DTYPES = ("int8", "fp32")
+
+
+class LoCoConfigError(ValueError):
+    """An invalid LoCo setting; the message names the flag and what to do."""
+
+
+@dataclass
+class LoCoConfig:
+    """Settings of the LoCo compensated low-bit reduce-scatter (arXiv 2407.04480, Alg. 1).
+
+    Defaults follow the authors' DeepSpeed implementation (PR #6730): ``err_beta=0.8``,
+    ``reset_T=1024``. Raises :class:`LoCoConfigError` on invalid values.
+    """
+
+    bits: Optional[int] = None
+    """Bits per gradient element on the wire (``--loco-bits``): 4 or 8 compress; 16, 32 or
+    None leave megatron-core's full-precision reduce-scatter untouched (LoCo off)."""
+
+    beta: float = 0.8
+    """Moving-average factor of the error buffer (``--loco-err-beta``), in [0, 1):
+    ``e_t = beta * e_{t-1} + (1 - beta) * (h_t - deQ(Q(h_t)))``. 0 is classic error feedback."""
+
+    reset_interval: int = 1024
+    """Zero all error buffers every this many optimizer steps (``--loco-reset-interval``);
+    0 never resets. Counted in optimizer steps for all buckets at once."""
+
+    block_size: int = 256
+    """Elements per quantization block, each with one fp32 scale (``--loco-block-size``). Even,
+    so 4-bit codes pack two per byte; wire overhead is ``32 / block_size`` bits per element."""
+
+    error_dtype: str = "int8"
+    """Storage of the error buffer (``--loco-error-dtype``): ``int8`` (symmetric, one fp32 scale
+    per block, ~1 byte per element) or ``fp32`` (exact, 4 bytes per element)."""
+
+    def __post_init__(self):
+        if self.bits is not None and self.bits not in COMPRESSED_BITS + FULL_PRECISION_BITS:
+            raise LoCoConfigError(
+                f"--loco-bits {self.bits} is not supported: use 4 or 8 to compress, "
+                f"or 16/32 (or leave it unset) for megatron-core's full-precision reduce-scatter."
+            )
+        if not (0.0 <= float(self.beta) < 1.0):
+            raise LoCoConfigError(
+                f"--loco-err-beta {self.beta} is outside [0, 1): 0 is plain error feedback, "
+                f"0.8 is the paper's default."
+            )
+        if int(self.reset_interval) != self.reset_interval or self.reset_interval < 0:
+            raise LoCoConfigError(
+                f"--loco-reset-interval {self.reset_interval} must be a non-negative integer "
+                f"(0 = never reset)."
+            )
+        if int(self.block_size) != self.block_size or self.block_size < 2 or self.block_size % 2:
+            raise LoCoConfigError(
+                f"--loco-block-size {self.block_size} must be a positive even integer "
+                f"(4-bit codes are packed two per byte); 256 is the default."
+            )
+        if self.error_dtype not in ERROR_DTYPES:
+            raise LoCoConfigError(
+                f"--loco-error-dtype {self.error_dtype!r} is not one of {ERROR_DTYPES}."
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """True when gradients are compressed (bits 4 or 8)."""
+        return self.bits in COMPRESSED_BITS
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Field name -> value, for logs and checkpoint fingerprints."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,5 @@
+"""CPU stand-in for CUDA (tests and CPU runs only; never active on a GPU). DESIGN.md §7."""
+
+from .cpu_cuda import activate, activate_if_no_gpu, deactivate, is_active
+
+__all__ = ["activate", "activate_if_no_gpu", "deactivate", "is_active"]

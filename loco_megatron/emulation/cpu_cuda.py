@@ -1,0 +1,204 @@
+"""CPU stand-in for CUDA so that megatron-core's CUDA-assuming code runs on CPU tensors with gloo.
+
+DESIGN.md §7. megatron-core writes ``device='cuda'``, ``torch.cuda.current_device()``,
+``.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'``, CUDA RNG and streams in a few dozen
+places. :func:`activate` makes those work on CPU:
+
+* a ``TorchFunctionMode`` maps cuda devices to cpu in factory calls and ``.to()``, makes
+  ``.cuda()`` a no-op, reports ``is_cuda`` True and ``torch.cuda.*Tensor`` type names;
+* ``torch.cuda`` queries, streams, events and memory statistics get CPU stand-ins;
+* the "CUDA" RNG is the CPU default generator, so megatron's RNG tracker (``fork()`` for
+  tensor-parallel dropout and initialisation) switches the generator that CPU ops really use;
+  megatron's "CPU RNG state changed within GPU RNG context" warning, whose premise (two separate
+  generators) does not hold here, is filtered;
+* DataLoader ``pin_memory`` is turned off and ``torch.accelerator`` reports no accelerator
+  (the index build of torch is a CUDA build and would ask for the missing driver).
+
+It refuses to activate where a GPU is present: emulation is for tests and CPU runs only.
+Limits: torch.compile/dynamo does not trace under the mode (skip JIT warm-up); streams and
+events are no-ops (gloo collectives are synchronous per call).
+"""
+
+import contextlib
+import logging
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+_CPU = torch.device("cpu")
+_IS_CUDA = torch.Tensor.is_cuda  # the getset descriptor (``__get__`` wrappers are new per access)
+
+
+def to_cpu_device(d):
+    """Map a cuda device spec (``'cuda'``, ``'cuda:1'``, ``torch.device('cuda')``, an int) to cpu.
+
+    Anything else (None, ``'cpu'``, ``'meta'``) is returned unchanged.
+    """
+    if isinstance(d, bool):
+        return d
+    if isinstance(d, int):
+        return _CPU
+    if isinstance(d, str) and d.startswith("cuda"):
+        return _CPU
+    if isinstance(d, torch.device) and d.type == "cuda":
+        return _CPU
+    return d
+
+
+class CpuAsCudaMode(TorchFunctionMode):
+    """Torch function mode that runs CUDA-addressed tensor code on CPU (see module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if getattr(func, "__self__", None) is _IS_CUDA:  # the is_cuda property getter
+            return True
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _TYPE_NAMES.get(name, name)
+        if func in (torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros):
+            args = tuple(to_cpu_device(a) if isinstance(a, (str, torch.device)) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class _Stream:
+    """No-op stand-in for ``torch.cuda.Stream``."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return event or _Event()
+
+    def query(self):
+        return True
+
+
+class _Event(_Stream):
+    """No-op stand-in for ``torch.cuda.Event``."""
+
+    def record(self, stream=None):
+        pass
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _rng_warning_filter(record: logging.LogRecord) -> bool:
+    return not (is_active() and "CPU RNG state changed within GPU RNG" in record.getMessage())
+
+
+_state = {"mode": None, "saved": []}
+
+
+def is_active() -> bool:
+    """True while the emulation is active in this process."""
+    return _state["mode"] is not None
+
+
+def _patch(obj, name, value):
+    _state["saved"].append((obj, name, getattr(obj, name, None)))
+    setattr(obj, name, value)
+
+
+def activate() -> None:
+    """Make CUDA-assuming code run on CPU in this process (idempotent).
+
+    Raises:
+        RuntimeError: a real GPU is present (use it instead of the emulation).
+    """
+    if is_active():
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("a GPU is present: the CPU emulation of CUDA is for CPU-only machines")
+    import torch.cuda.random as cuda_random
+    import torch.utils.data as tud
+
+    cuda = torch.cuda
+    for name, value in {
+        "is_available": lambda: True,
+        "device_count": lambda: 1,
+        "current_device": lambda: 0,
+        "set_device": lambda *a, **k: None,
+        "synchronize": lambda *a, **k: None,
+        "empty_cache": lambda: None,
+        "Stream": _Stream,
+        "Event": _Event,
+        "current_stream": lambda *a, **k: _Stream(),
+        "default_stream": lambda *a, **k: _Stream(),
+        "stream": lambda s=None: contextlib.nullcontext(),
+        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: None,  # torch.manual_seed calls it after seeding the CPU
+        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
+        "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
+        "default_generators": (torch.default_generator,),
+        "_lazy_call": lambda callable, **kwargs: callable(),
+        "memory_allocated": lambda *a, **k: 0,
+        "max_memory_allocated": lambda *a, **k: 0,
+        "memory_reserved": lambda *a, **k: 0,
+        "max_memory_reserved": lambda *a, **k: 0,
+        "reset_peak_memory_stats": lambda *a, **k: None,
+        "get_device_name": lambda *a, **k: "cpu (CUDA emulation)",
+        "get_device_capability": lambda *a, **k: (8, 0),
+    }.items():
+        _patch(cuda, name, value)
+    for name in ("get_rng_state", "set_rng_state", "manual_seed"):
+        _patch(cuda_random, name, getattr(cuda, name))
+    mcore_random = sys.modules.get("megatron.core.tensor_parallel.random")
+    if mcore_random is not None:  # imported before activation: it holds its own _lazy_call
+        _patch(mcore_random, "_lazy_call", cuda._lazy_call)
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_rng_warning_filter)
+    _patch(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+    _patch(torch.accelerator, "is_available", lambda: False)
+    loader_init = tud.DataLoader.__init__
+
+    def _loader_init(self, *args, **kwargs):
+        kwargs["pin_memory"] = False
+        loader_init(self, *args, **kwargs)
+
+    _patch(tud.DataLoader, "__init__", _loader_init)
+    mode = CpuAsCudaMode()
+    mode.__enter__()
+    _state["mode"] = mode
+
+
+def deactivate() -> None:
+    """Undo :func:`activate` (restores every patched attribute; no-op when inactive)."""
+    if not is_active():
+        return
+    _state["mode"].__exit__(None, None, None)
+    _state["mode"] = None
+    for obj, name, value in reversed(_state["saved"]):
+        setattr(obj, name, value)
+    _state["saved"].clear()
+
+
+def activate_if_no_gpu() -> bool:
+    """Activate the emulation only on a machine without a usable GPU; returns whether it did."""
+    if torch.cuda.is_available():
+        return False
+    activate()
+    return True

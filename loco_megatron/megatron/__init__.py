@@ -1,0 +1,1 @@
+"""megatron-core / Megatron-LM integration: install/uninstall, version adapter, arguments."""

@@ -1,0 +1,201 @@
+"""Install / uninstall LoCo into megatron-core's gradient-buffer reduce path.
+
+The seam (DESIGN.md §3; megatron/core/distributed/param_and_grad_buffer.py, 0.13-0.19):
+``_ParamAndGradBucketGroup.start_grad_sync`` reduce-scatters each bucket's ``grad_data`` into
+its DP shard through the module global ``dist_reduce_scatter_func``, inside a
+``torch.distributed._coalescing_manager``. Swapping only that global silently skips the
+reduction with ``overlap_grad_reduce=True`` (the coalescing manager's ``wait()`` never waits on a
+custom handle). So we wrap ``start_grad_sync``: the global points at our compensated
+reduce-scatter only while the original method runs (it keeps its NaN checks, gradient scaling
+and first-batch logic), and afterwards the stored ``grad_reduce_handle`` is replaced by one that
+waits on ours.
+
+Buckets get stable ids ``(model chunk, buffer index, bucket index)`` when
+``DistributedDataParallel`` is constructed: model chunks are numbered in construction order,
+buffers as ``ddp.buffers + ddp.expert_parallel_buffers``.
+"""
+
+import functools
+import logging
+from typing import Optional
+
+import torch
+
+from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
+from ..compensator import Compensator
+from ..config import LoCoConfig, LoCoConfigError
+from ..layout import BucketLayout
+from . import compat
+from .telemetry import log_chunk_layout
+
+logger = logging.getLogger(__name__)
+
+
+class LoCoState:
+    """What :func:`install` returns: the config, the compensator and the counters.
+
+    Attributes:
+        config: the :class:`LoCoConfig` in force.
+        compensator: the rank's error buffers (None when LoCo is off).
+        wire: exact bytes sent by LoCo and the stock equivalent (:class:`WireStats`).
+        num_chunks: model chunks (DDP instances) registered since install.
+    """
+
+    def __init__(self, config: LoCoConfig):
+        self.config = config
+        self.compensator = Compensator(config) if config.enabled else None
+        self.wire = WireStats()
+        self.num_chunks = 0
+        self.num_buckets = 0
+        self.layouts = {}
+        self._originals = {}
+
+    def layout_for(self, bucket, world: int) -> BucketLayout:
+        """The bucket's :class:`BucketLayout` (blocks cut at DP shards and parameters), cached
+        by its stable key."""
+        layout = self.layouts.get(bucket.loco_key)
+        numel = bucket.grad_data.numel()
+        if layout is None or (layout.numel, layout.world) != (numel, world):
+            bounds = {i for start_end in bucket.param_to_index.values() for i in start_end}
+            layout = BucketLayout.build(numel, world, self.config.block_size, bounds)
+            self.layouts[bucket.loco_key] = layout
+        return layout
+
+    @property
+    def active(self) -> bool:
+        """True when megatron-core's reduce-scatter is replaced (bits 4 or 8)."""
+        return self.compensator is not None
+
+
+_STATE: Optional[LoCoState] = None
+
+
+def get_state() -> Optional[LoCoState]:
+    """The installed :class:`LoCoState`, or None."""
+    return _STATE
+
+
+def _check_ddp_config(ddp_config) -> None:
+    if not ddp_config.use_distributed_optimizer:
+        raise LoCoConfigError(
+            "--loco-bits needs the distributed optimizer (--use-distributed-optimizer): LoCo "
+            "compresses the data-parallel reduce-scatter; plain DDP all-reduce is not supported yet."
+        )
+    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
+        raise LoCoConfigError(
+            "--loco-bits does not support --num-distributed-optimizer-instances > 1 yet; "
+            "use one instance or turn LoCo off (--loco-bits 16)."
+        )
+    if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
+        raise LoCoConfigError(
+            "--loco-bits and --ddp-reduce-scatter-with-fp32-accumulation both replace the "
+            "reduce-scatter; choose one."
+        )
+
+
+def _wrap_ddp_init(orig):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        state = _STATE
+        if state is None or not state.active:
+            return
+        _check_ddp_config(self.ddp_config)
+        chunk = state.num_chunks
+        state.num_chunks += 1
+        buffers = list(self.buffers) + list(getattr(self, "expert_parallel_buffers", []))
+        for buf_idx, buffer in enumerate(buffers):
+            for bucket in buffer.buckets:
+                bucket.loco_key = (chunk, buf_idx, bucket.bucket_id)
+                state.num_buckets += 1
+        groups = list(self.bucket_groups) + list(getattr(self, "expert_parallel_bucket_groups", []))
+        log_chunk_layout(chunk, state.config, [
+            (state.layout_for(bucket, group.intra_distributed_optimizer_instance_size),
+             bucket.grad_data.element_size())
+            for group in groups for bucket in group.buckets
+            if group.intra_distributed_optimizer_instance_size > 1])
+    return __init__
+
+
+def _wrap_start_grad_sync(orig):
+    @functools.wraps(orig)
+    def start_grad_sync(self, *args, **kwargs):
+        state = _STATE
+        force_all_reduce = kwargs.get("force_all_reduce", args[0] if args else False)
+        if (state is None or not state.active or force_all_reduce
+                or not self.ddp_config.use_distributed_optimizer
+                or self.intra_distributed_optimizer_instance_size == 1):
+            return orig(self, *args, **kwargs)  # stock path (DP size 1: nothing is sent)
+        buckets = iter(self.buckets)
+        works = []
+
+        def reduce_scatter(output, input, op=torch.distributed.ReduceOp.SUM, group=None,
+                           async_op=False):
+            bucket = next(buckets)
+            if bucket.grad_data.data_ptr() != input.data_ptr() or not hasattr(bucket, "loco_key"):
+                raise RuntimeError(
+                    "LoCo: megatron-core reduce-scattered a tensor that is not the next bucket's "
+                    "grad_data (unsupported megatron-core version or a DDP built before "
+                    "loco_megatron.install())."
+                )
+            layout = state.layout_for(bucket, torch.distributed.get_world_size(group))
+            work = compensated_reduce_scatter(
+                output, input, op=op, group=group, async_op=async_op,
+                compensator=state.compensator, key=bucket.loco_key, layout=layout,
+                stats=state.wire)
+            works.append(work)
+            return work
+
+        module = compat.param_and_grad_buffer_module()
+        saved = module.dist_reduce_scatter_func
+        module.dist_reduce_scatter_func = reduce_scatter
+        try:
+            result = orig(self, *args, **kwargs)
+        finally:
+            module.dist_reduce_scatter_func = saved
+        if works and self.grad_reduce_handle is not None:
+            self.grad_reduce_handle = GroupWork(works)
+        return result
+    return start_grad_sync
+
+
+def install(config: LoCoConfig) -> LoCoState:
+    """Route megatron-core's distributed-optimizer gradient reduce-scatter through LoCo.
+
+    Call before the model is wrapped in ``DistributedDataParallel``. With ``config.bits`` None,
+    16 or 32 nothing is patched and megatron-core runs bit-for-bit as stock.
+
+    Returns:
+        the :class:`LoCoState` (also available from :func:`get_state`).
+
+    Raises:
+        RuntimeError: already installed (call :func:`uninstall` first).
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("loco_megatron is already installed; call uninstall() first")
+    state = LoCoState(config)
+    if state.active:
+        ddp_cls = compat.ddp_class()
+        group_cls = compat.bucket_group_class()
+        state._originals = {
+            (ddp_cls, "__init__"): ddp_cls.__init__,
+            (group_cls, "start_grad_sync"): group_cls.start_grad_sync,
+        }
+        ddp_cls.__init__ = _wrap_ddp_init(ddp_cls.__init__)
+        group_cls.start_grad_sync = _wrap_start_grad_sync(group_cls.start_grad_sync)
+    _STATE = state
+    return state
+
+
+def uninstall() -> None:
+    """Restore megatron-core's original methods and drop the LoCo state (no-op if not installed).
+
+    Models wrapped while LoCo was installed keep their bucket ids but reduce at full precision.
+    """
+    global _STATE
+    if _STATE is None:
+        return
+    for (cls, name), fn in _STATE._originals.items():
+        setattr(cls, name, fn)
+    _STATE = None

@@ -1,0 +1,59 @@
+"""LoCo log lines in Megatron's style (rank 0 only): start-up summary and per-chunk layout."""
+
+import logging
+from typing import List, Tuple
+
+import torch
+
+from ..config import LoCoConfig
+from ..layout import BucketLayout
+from ..quantization import wire_bytes
+
+logger = logging.getLogger("loco_megatron")
+
+
+def _print_rank_0(msg: str) -> None:
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def expected_bytes_per_step(config: LoCoConfig,
+                            buckets: List[Tuple[BucketLayout, int]]) -> Tuple[int, int]:
+    """Exact bytes one rank sends per optimizer step: ``(LoCo, stock reduce-scatter)``.
+
+    Args:
+        buckets: ``(layout, grad element size in bytes)`` per bucket.
+    """
+    loco = sum((lay.world - 1) * wire_bytes(lay.padded_shard, config.bits, config.block_size)
+               for lay, _ in buckets)
+    stock = sum((lay.world - 1) * lay.shard * elem for lay, elem in buckets)
+    return loco, stock
+
+
+def log_chunk_layout(chunk: int, config: LoCoConfig,
+                     buckets: List[Tuple[BucketLayout, int]]) -> None:
+    """One line per model chunk: buckets, elements, expected wire bytes per step vs stock."""
+    if not buckets:
+        _print_rank_0(f"> LoCo: model chunk {chunk}: data-parallel size 1, no gradient is "
+                      f"communicated; stock path")
+        return
+    loco, stock = expected_bytes_per_step(config, buckets)
+    numel = sum(lay.numel for lay, _ in buckets)
+    ratio = loco / stock if stock else 0.0
+    _print_rank_0(
+        f"> LoCo: model chunk {chunk}: {len(buckets)} buckets, {numel} gradient elements, "
+        f"{loco} bytes/step per rank on the wire vs {stock} stock ({ratio:.3f}x)")
+
+
+def log_loco_startup(state, args, emulated: bool) -> None:
+    """The start-up line: whether LoCo is active, with its settings."""
+    cfg = state.config
+    where = "CPU ranks (CUDA emulation, gloo)" if emulated else "GPU"
+    if state.active:
+        _print_rank_0(
+            f"> LoCo active: {cfg.bits}-bit compensated reduce-scatter, block {cfg.block_size}, "
+            f"err-beta {cfg.beta}, reset every {cfg.reset_interval} steps, error storage "
+            f"{cfg.error_dtype}; on {where}")
+    else:
+        _print_rank_0(f"> LoCo off (--loco-bits {cfg.bits}): stock megatron-core reduce-scatter; "
+                      f"on {where}")

@@ -1,0 +1,126 @@
+"""Blockwise symmetric absmax quantizer ``Q_b`` / ``deQ`` and 4-bit packing (torch reference).
+
+DESIGN.md §1: ``scale = absmax(block) / (2^(b-1) - 1)``,
+``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest (ties to even, as
+``torch.round``). An all-zero block gets scale 0 and codes 0, never NaN. Scales are fp32 (wire
+overhead ``32 / block_size`` bits per element). 4-bit codes are stored as two's-complement
+nibbles, two per byte (element ``2i`` in the low nibble, ``2i+1`` in the high nibble).
+
+Works on CPU and CUDA tensors of any float dtype; all arithmetic is in fp32 (fp64 input stays
+fp64 so exact identities can be tested).
+"""
+
+from typing import Tuple
+
+import torch
+
+SUPPORTED_BITS = (4, 8)
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits={bits} is not supported by the quantizer; use one of {SUPPORTED_BITS}")
+
+
+def qmax(bits: int) -> int:
+    """Largest code magnitude, ``2^(bits-1) - 1`` (7 for 4 bits, 127 for 8 bits)."""
+    _check_bits(bits)
+    return 2 ** (bits - 1) - 1
+
+
+def padded_numel(numel: int, block_size: int) -> int:
+    """``numel`` rounded up to a whole number of blocks."""
+    return -(-numel // block_size) * block_size
+
+
+def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a flat tensor blockwise (symmetric absmax, round-to-nearest).
+
+    Args:
+        x: 1-D float tensor of any length (padded with zeros to whole blocks internally).
+        bits: 4 or 8.
+        block_size: elements per block (even for 4 bits).
+
+    Returns:
+        ``(codes, scales)``: ``codes`` int8 of shape ``[nblocks * block_size]`` with values in
+        ``[-2^(b-1), 2^(b-1) - 1]`` (unpacked), ``scales`` of shape ``[nblocks]`` in fp32 (fp64
+        if ``x`` is fp64). Non-finite input gives non-finite scales (callers check first).
+
+    Raises:
+        ValueError: unsupported ``bits`` or a non-1-D input.
+    """
+    _check_bits(bits)
+    if x.dim() != 1:
+        raise ValueError(f"quantize_blockwise expects a flat tensor, got shape {tuple(x.shape)}")
+    work_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n = x.numel()
+    npad = padded_numel(n, block_size)
+    xb = torch.zeros(npad, dtype=work_dtype, device=x.device)
+    xb[:n] = x
+    xb = xb.view(-1, block_size)
+    scales = xb.abs().amax(dim=1) / qmax(bits)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(xb / safe.unsqueeze(1)).clamp_(-(qmax(bits) + 1), qmax(bits))
+    return codes.to(torch.int8).view(-1), scales
+
+
+def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block_size: int,
+                         numel: int = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`: ``codes * scale`` per block.
+
+    Args:
+        codes: integer tensor ``[nblocks * block_size]`` (unpacked codes).
+        scales: ``[nblocks]`` float scales.
+        block_size: elements per block.
+        numel: number of leading elements to return (default: all, padding included).
+        dtype: output dtype (fp32 by default).
+
+    Returns:
+        1-D tensor of ``numel`` elements in ``dtype``.
+    """
+    out = codes.view(-1, block_size).to(dtype) * scales.to(dtype).unsqueeze(1)
+    out = out.view(-1)
+    return out if numel is None else out[:numel]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack signed 4-bit codes (int8 in ``[-8, 7]``, even length) two per byte.
+
+    Returns a uint8 tensor of ``codes.numel() // 2`` bytes. Raises ValueError on odd length.
+    """
+    if codes.numel() % 2:
+        raise ValueError(f"pack_int4 needs an even number of codes, got {codes.numel()}")
+    nib = (codes.view(-1, 2).to(torch.int16) & 0xF).to(torch.uint8)
+    return nib[:, 0] | (nib[:, 1] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: uint8 ``[n]`` -> int8 codes ``[2n]`` in ``[-8, 7]``."""
+    p = packed.to(torch.int16)
+    nib = torch.stack((p & 0xF, (p >> 4) & 0xF), dim=-1).view(-1)
+    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+
+
+def encode(x: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize and pack for the wire: returns ``(payload uint8, scales fp32)``.
+
+    The payload holds ``nblocks * block_size * bits / 8`` bytes (4-bit packed, 8-bit codes
+    reinterpreted as uint8).
+    """
+    codes, scales = quantize_blockwise(x, bits, block_size)
+    payload = pack_int4(codes) if bits == 4 else codes.view(torch.uint8)
+    return payload, scales.float()
+
+
+def decode(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
+           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`encode`: unpack and dequantize to ``dtype`` (padding included)."""
+    _check_bits(bits)
+    codes = unpack_int4(payload) if bits == 4 else payload.view(torch.int8)
+    return dequantize_blockwise(codes, scales, block_size, dtype=dtype)
+
+
+def wire_bytes(numel: int, bits: int, block_size: int, scale_bytes: int = 4) -> int:
+    """Exact bytes of :func:`encode` output for ``numel`` elements (codes plus scales)."""
+    nblocks = -(-numel // block_size)
+    return nblocks * block_size * bits // 8 + nblocks * scale_bytes

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Pretrain a small GPT with LoCo 4-bit gradient reduce-scatter through Megatron's own training loop.
+#
+#   bash run_pretrain.sh [Megatron-LM / --loco-* flags ...]
+#
+# Sets up .venv if needed, prepares the default real corpus (this Python's standard-library
+# sources -> locally trained BPE tokenizer -> Megatron indexed dataset, cached) unless you pass
+# --data-path or --mock-data, then launches torch.distributed.run:
+#   * GPUs present: one rank per local GPU, NCCL;
+#   * no GPU: 2 CPU ranks (DP=2) with gloo through the CUDA emulation.
+# Your flags come after the defaults, so they win (e.g. --loco-bits 16 --train-iters 50).
+# Environment: NPROC (ranks), LOCO_DATA_DIR (corpus cache), OUT_DIR (default runs/<time>).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+bash install.sh
+PY=.venv/bin/python
+
+user_data=0
+for a in "$@"; do
+  case "$a" in --data-path|--data-path=*|--mock-data|--train-data-path|--data-args-path) user_data=1 ;; esac
+done
+data_args=()
+if [ "$user_data" = 0 ]; then
+  echo "run_pretrain.sh: preparing the default corpus (cached after the first run)" >&2
+  line=$("$PY" -m loco_megatron.data.prepare | tail -n 1)
+  eval "$line"   # sets DATA_PREFIX and TOKENIZER_DIR
+  data_args=(--data-path "$DATA_PREFIX" --tokenizer-type HuggingFaceTokenizer
+             --tokenizer-model "$TOKENIZER_DIR" --split 98,1,1)
+fi
+
+ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
+if [ "$ngpu" -gt 0 ]; then
+  NPROC=${NPROC:-$ngpu}
+  hw_args=(--distributed-backend nccl)
+  "$PY" -c 'import transformer_engine' 2>/dev/null && hw_args+=(--transformer-impl transformer_engine) \
+    || hw_args+=(--transformer-impl local --no-gradient-accumulation-fusion)
+else
+  NPROC=${NPROC:-2}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  hw_args=(--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
+           --use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion
+           --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm)
+fi
+
+OUT_DIR=${OUT_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT_DIR"
+model_args=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256
+            --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size $((4 * NPROC))
+            --train-iters 300 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
+            --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer
+            --log-interval 10 --eval-interval 100 --eval-iters 10 --tensorboard-dir "$OUT_DIR/tensorboard"
+            --loco-bits 4)
+echo "run_pretrain.sh: $NPROC ranks, logs and TensorBoard in $OUT_DIR" >&2
+exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29517}" \
+  -m loco_megatron.pretrain_gpt "${hw_args[@]}" "${model_args[@]}" "${data_args[@]}" "$@"

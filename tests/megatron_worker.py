@@ -1,0 +1,138 @@
+"""Train a tiny megatron-core GPT (GPTModel + DDP + DistributedOptimizer) on one rank of a grid.
+
+Shared by the grid tests; runs unchanged on CPU ranks (gloo + CUDA emulation) and on GPUs
+(NCCL). ``train(...)`` returns per-step losses, final parameters, LoCo counters and, when asked,
+the check of each reduced shard against the exact reduction of what every rank sent.
+"""
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ, HIDDEN = 128, 32, 64
+
+
+def setup(tp: int, backend: str):
+    """Emulate CUDA on CPU ranks and initialise megatron's model-parallel groups."""
+    if backend == "gloo":
+        from loco_megatron.emulation import activate
+
+        activate()
+    else:
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+class ShardChecker:
+    """Records what the compensator sends (compensated input h, in the padded layout) so the
+    reduced shards can be compared with the exact reduction of the h of all DP ranks."""
+
+    def __init__(self, state):
+        self.state, self.sent = state, {}
+        compress = state.compensator.compress
+
+        def recording_compress(key, g):
+            err = state.compensator.errors.get(key)
+            h = g.double() + (err.get().double() if err is not None else 0)
+            self.sent[key] = h
+            return compress(key, g)
+
+        state.compensator.compress = recording_compress
+
+    def check(self, model, dp_group) -> float:
+        """Max of |reduced - exact| / bound over every bucket (must be <= 1)."""
+        from loco_megatron.quantization import quantize_blockwise
+
+        cfg, worst = self.state.config, 0.0
+        rank, world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        for group in model.bucket_groups:
+            for bucket in group.buckets:
+                h = self.sent[bucket.loco_key]
+                _, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
+                half_step = (scales / 2).repeat_interleave(cfg.block_size)
+                exact, bound = h.clone(), half_step.clone()
+                dist.all_reduce(exact, group=dp_group)
+                dist.all_reduce(bound, group=dp_group)
+                layout = self.state.layouts[bucket.loco_key]
+                shard = bucket.grad_data.numel() // world
+                exp, bnd = (torch.empty(shard, dtype=torch.float64) for _ in range(2))
+                ps = layout.padded_shard
+                layout.from_padded_shard(exact[rank * ps:(rank + 1) * ps], rank, exp)
+                layout.from_padded_shard(bound[rank * ps:(rank + 1) * ps], rank, bnd)
+                got = bucket.grad_data[rank * shard:(rank + 1) * shard].double().cpu()
+                ratio = (got - exp.cpu()).abs() / (bnd.cpu() * (1 + 1e-5) + 1e-7)
+                worst = max(worst, float(ratio.max()))
+        return worst
+
+
+def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
+          check_steps=(0, 7), block_size: int = 256):
+    """Build and train the tiny GPT with LoCo ``mode`` in {"stock", "bits16", "loco4", "loco8"}."""
+    import loco_megatron
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    state = None
+    if mode != "stock":
+        bits = {"bits16": 16, "loco4": 4, "loco8": 8}[mode]
+        state = loco_megatron.install(loco_megatron.LoCoConfig(bits=bits, block_size=block_size))
+    checker = ShardChecker(state) if state is not None and state.active else None
+    try:
+        torch.manual_seed(1234)
+        model_parallel_cuda_manual_seed(1234)
+        cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
+                                use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                                tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+                       vocab_size=VOCAB, max_sequence_length=SEQ)
+        ddp_cfg = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_grad_reduce=overlap, grad_reduce_in_fp32=True,
+            bucket_size=bucket_size)
+        model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
+        opt = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True), [model])
+        dp_rank = ps.get_data_parallel_rank()
+        gen = torch.Generator().manual_seed(100 + dp_rank)  # same data on every TP rank
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tokens = torch.randint(0, VOCAB, (4, SEQ), generator=gen).to(device)
+        position = torch.arange(SEQ, device=device).unsqueeze(0).expand(4, -1)
+        mask = torch.tril(torch.ones(1, 1, SEQ, SEQ, device=device)) < 0.5
+        losses, worst = [], 0.0
+        for step in range(steps):
+            model.zero_grad_buffer()
+            opt.zero_grad()
+            loss = model(tokens, position, mask, labels=tokens).mean()
+            loss.backward()
+            model.finish_grad_sync()
+            if checker is not None and step in check_steps:
+                worst = max(worst, checker.check(model, ps.get_data_parallel_group()))
+            opt.step()
+            losses.append(float(loss))
+        params = {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()}
+        tp_group = ps.get_tensor_model_parallel_group()
+        tp_drift = 0.0
+        for p in model.module.parameters():
+            if not getattr(p, "tensor_model_parallel", False):
+                copies = [torch.empty_like(p) for _ in range(dist.get_world_size(tp_group))]
+                dist.all_gather(copies, p.detach().contiguous(), group=tp_group)
+                tp_drift = max(tp_drift, max(float((c - p).abs().max()) for c in copies))
+        counters = {}
+        if state is not None and state.active:
+            counters = {"calls": state.wire.calls, "compress": state.compensator.stats.calls,
+                        "buckets": state.num_buckets, "bytes": state.wire.bytes_sent,
+                        "stock_bytes": state.wire.stock_bytes}
+        return {"losses": losses, "params": params, "tp_drift": tp_drift, "counters": counters,
+                "shard_check": worst, "num_bucket_groups": len(model.bucket_groups)}
+    finally:
+        loco_megatron.uninstall()
+
+
+def grid_worker(rank, world, tp, overlap, backend, modes):
+    setup(tp, backend)
+    return {mode: train(mode, overlap) for mode in modes}

@@ -1,0 +1,45 @@
+"""Spawn N gloo ranks on this machine and collect each rank's return value.
+
+Usage: ``results = run_ranks(worker, world_size, *args)`` where ``worker(rank, world_size,
+*args)`` is a module-level function; each rank runs in a fresh spawned process with a gloo
+process group already initialised (file rendezvous), and what it returns (picklable) comes back
+in rank order (``backend="nccl"``: one GPU per rank). An exception on any rank fails the caller with that rank's traceback.
+"""
+
+import os
+import pickle
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank, fn, world_size, tmpdir, args, backend):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{tmpdir}/rendezvous",
+                            rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(tmpdir, f"result{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size, *args, backend="gloo"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or nccl with one GPU
+    per rank); return their results."""
+    with tempfile.TemporaryDirectory() as tmpdir:
+        mp.start_processes(_entry, args=(fn, world_size, tmpdir, args, backend), nprocs=world_size,
+                           join=True, start_method="spawn")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(tmpdir, f"result{r}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results

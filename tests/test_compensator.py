@@ -1,0 +1,112 @@
+"""LoCo error feedback: the two identities of DESIGN.md §1, resets, int8 storage, NaN safety."""
+
+import pytest
+import torch
+
+from loco_megatron.compensator import Compensator, ErrorBuffer
+from loco_megatron.config import LoCoConfig
+from loco_megatron.quantization import decode, quantize_blockwise, dequantize_blockwise
+
+BLOCK = 64
+
+
+def _deq(payload, scales, bits, dtype=torch.float32):
+    return decode(payload, scales, bits, BLOCK, dtype=dtype)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_beta0_identity_h_equals_deq_plus_error(bits):
+    """beta=0: h_t == deQ(c_t) + e_t elementwise, up to the int8 storage rounding of e_t."""
+    comp = Compensator(LoCoConfig(bits=bits, beta=0.0, block_size=BLOCK))
+    torch.manual_seed(0)
+    for _ in range(5):
+        g = torch.randn(BLOCK * 10)
+        e_prev = comp.errors["b"].get() if "b" in comp.errors else torch.zeros_like(g)
+        h = g + e_prev
+        payload, scales = comp.compress("b", g)
+        e = comp.errors["b"].get()
+        exact_e = h - _deq(payload, scales, bits)
+        # int8 storage of e: per element within half an int8 step of its block.
+        step = exact_e.view(-1, BLOCK).abs().amax(1, keepdim=True) / 127
+        assert torch.all((h - (_deq(payload, scales, bits) + e)).view(-1, BLOCK).abs()
+                         <= step / 2 * (1 + 1e-5) + 1e-7)
+        assert exact_e.abs().max() > 0  # the identity is not vacuous
+
+
+def test_telescoping_identity_float64():
+    """sum_t deQ(c_t) == sum_t g_t + (e_0 - e_T) / (1 - beta), exact storage, no reset."""
+    beta = 0.8
+    comp = Compensator(LoCoConfig(bits=4, beta=beta, block_size=BLOCK, error_dtype="fp32",
+                                  reset_interval=0))
+    torch.manual_seed(1)
+    sum_d = torch.zeros(BLOCK * 8, dtype=torch.float64)
+    sum_g = torch.zeros_like(sum_d)
+    for _ in range(50):
+        g = torch.randn(BLOCK * 8, dtype=torch.float64)
+        payload, scales = comp.compress(0, g)
+        sum_d += _deq(payload, scales, 4, torch.float64)
+        sum_g += g
+    e_T = comp.errors[0].get()
+    assert e_T.dtype == torch.float64 and e_T.abs().max() > 1e-3
+    torch.testing.assert_close(sum_d, sum_g - e_T / (1 - beta), rtol=0, atol=1e-10)
+
+
+def test_without_compensation_the_identity_fails():
+    """Control: plain 4-bit rounding drifts far more than the compensated sum."""
+    torch.manual_seed(1)
+    gs = [torch.randn(BLOCK * 8, dtype=torch.float64) * 0.01 + 0.003 for _ in range(50)]
+    plain = sum(dequantize_blockwise(*quantize_blockwise(g, 4, BLOCK), BLOCK, dtype=torch.float64)
+                for g in gs)
+    comp = Compensator(LoCoConfig(bits=4, beta=0.0, block_size=BLOCK, error_dtype="fp32"))
+    loco = sum(_deq(*comp.compress(0, g), 4, torch.float64) for g in gs)
+    exact = sum(gs)
+    assert (loco - exact).abs().max() < 0.2 * (plain - exact).abs().max()
+
+
+def test_reset_every_interval_in_steps():
+    comp = Compensator(LoCoConfig(bits=4, beta=0.5, block_size=BLOCK, reset_interval=3))
+    g = torch.randn(BLOCK * 2)
+    norms = []
+    for _ in range(7):
+        before = comp.errors["k"].get().abs().sum().item() if "k" in comp.errors else 0.0
+        norms.append(before)
+        comp.compress("k", g)
+        comp.compress("other", g)
+    # error seen at the start of steps 0..6: zero at step 0, then reset at steps 3 and 6
+    assert norms[0] == 0 and norms[1] > 0 and norms[2] > 0
+    assert comp.stats.resets == 4  # two keys x steps 3 and 6
+    assert comp.stats.steps == {"k": 7, "other": 7}
+
+
+def test_nonfinite_gradient_never_enters_error_buffer():
+    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK))
+    comp.compress("k", torch.randn(BLOCK))
+    e_before = comp.errors["k"].get()
+    g = torch.randn(BLOCK)
+    g[3] = float("nan")
+    comp.compress("k", g)
+    assert torch.equal(comp.errors["k"].get(), e_before)
+    assert comp.stats.skipped_nonfinite == 1
+
+
+def test_layout_change_is_a_clear_error():
+    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK))
+    comp.compress((0, 0, 0), torch.randn(BLOCK * 2))
+    with pytest.raises(RuntimeError, match=r"\(0, 0, 0\) holds 128 elements"):
+        comp.compress((0, 0, 0), torch.randn(BLOCK * 3))
+
+
+def test_int8_storage_is_about_one_byte_per_element():
+    buf = ErrorBuffer(BLOCK * 100, BLOCK, "int8", torch.float32, "cpu")
+    assert buf.nbytes() == BLOCK * 100 + 100 * 4
+    e = torch.randn(BLOCK * 100)
+    buf.set(e)
+    step = e.view(-1, BLOCK).abs().amax(1, keepdim=True) / 127
+    assert torch.all((buf.get() - e).view(-1, BLOCK).abs() <= step / 2 * (1 + 1e-5))
+    buf.zero_()
+    assert torch.equal(buf.get(), torch.zeros_like(e))
+
+
+def test_compensator_refuses_full_precision_config():
+    with pytest.raises(ValueError, match="bits 4 or 8"):
+        Compensator(LoCoConfig(bits=16))

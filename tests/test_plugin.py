@@ -1,0 +1,60 @@
+"""install()/uninstall() of the megatron-core seam: explicit, reversible, refusing what it
+cannot compress."""
+
+import pytest
+
+import loco_megatron
+from loco_megatron.config import LoCoConfig, LoCoConfigError
+from loco_megatron.megatron import compat, plugin
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    loco_megatron.uninstall()
+    yield
+    loco_megatron.uninstall()
+
+
+def test_install_patches_and_uninstall_restores():
+    ddp, group = compat.ddp_class(), compat.bucket_group_class()
+    before = (ddp.__init__, group.start_grad_sync)
+    state = loco_megatron.install(LoCoConfig(bits=4))
+    assert state.active and plugin.get_state() is state
+    assert (ddp.__init__, group.start_grad_sync) != before
+    loco_megatron.uninstall()
+    assert (ddp.__init__, group.start_grad_sync) == before
+    assert plugin.get_state() is None
+
+
+@pytest.mark.parametrize("bits", [None, 16, 32])
+def test_full_precision_patches_nothing(bits):
+    ddp, group = compat.ddp_class(), compat.bucket_group_class()
+    before = (ddp.__init__, group.start_grad_sync)
+    state = loco_megatron.install(LoCoConfig(bits=bits))
+    assert not state.active and state.compensator is None
+    assert (ddp.__init__, group.start_grad_sync) == before
+
+
+def test_double_install_is_an_error():
+    loco_megatron.install(LoCoConfig(bits=4))
+    with pytest.raises(RuntimeError, match="already installed"):
+        loco_megatron.install(LoCoConfig(bits=8))
+
+
+class _DDPConfig:
+    use_distributed_optimizer = True
+    num_distributed_optimizer_instances = 1
+    reduce_scatter_with_fp32_accumulation = False
+
+
+@pytest.mark.parametrize("attr,value,flag", [
+    ("use_distributed_optimizer", False, "--use-distributed-optimizer"),
+    ("num_distributed_optimizer_instances", 2, "--num-distributed-optimizer-instances"),
+    ("reduce_scatter_with_fp32_accumulation", True, "--ddp-reduce-scatter-with-fp32-accumulation"),
+])
+def test_unsupported_ddp_configs_refused_with_flag(attr, value, flag):
+    cfg = _DDPConfig()
+    setattr(cfg, attr, value)
+    with pytest.raises(LoCoConfigError, match=flag):
+        plugin._check_ddp_config(cfg)
+    plugin._check_ddp_config(_DDPConfig())  # the supported configuration passes
