@@ -24,6 +24,7 @@ setup(
         "tqdm",
         "pydantic",
         "psutil",  # checkpoint saving
+        "tensorboard",  # --tensorboard-dir (megatron.training writes it when importable)
         "pybind11",  # building the dataset helper when megatron.training compiles it
     ],
     extras_require={
