@@ -70,7 +70,8 @@ def get_batch(data_iterator):
     if not (mpu.is_pipeline_first_stage() or mpu.is_pipeline_last_stage()):
         return None, None, None, None, None
     data = next(data_iterator) if mpu.get_tensor_model_parallel_rank() == 0 else None
-    has_mask = torch.tensor([int(data is not None and "attention_mask" in data)])
+    has_mask = torch.tensor([int(data is not None and "attention_mask" in data)],
+                            device=torch.cuda.current_device())  # NCCL needs a device tensor
     torch.distributed.broadcast(has_mask, mpu.get_tensor_model_parallel_src_rank(),
                                 group=mpu.get_tensor_model_parallel_group())
     batch = {}

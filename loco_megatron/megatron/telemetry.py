@@ -1,6 +1,7 @@
 """LoCo log lines in Megatron's style (rank 0 only): start-up summary and per-chunk layout."""
 
 import logging
+import os
 from typing import List, Tuple
 
 import torch
@@ -13,7 +14,12 @@ logger = logging.getLogger("loco_megatron")
 
 
 def _print_rank_0(msg: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+    """Print on global rank 0 (before init_process_group: the launcher's ``RANK``)."""
+    if torch.distributed.is_initialized():
+        rank = torch.distributed.get_rank()
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
         print(msg, flush=True)
 
 
