@@ -53,6 +53,7 @@ class LoCoWork:
         self._works, self._finish, self._done = works, finish, False
 
     def wait(self, timeout=None) -> bool:
+        """Wait for the all-to-alls, then dequantize, sum and write the shard (once)."""
         if not self._done:
             for w in self._works:
                 if w is not None:
@@ -62,6 +63,7 @@ class LoCoWork:
         return True
 
     def is_completed(self) -> bool:
+        """True once :meth:`wait` has written the reduced shard."""
         return self._done
 
 
@@ -73,6 +75,7 @@ class GroupWork:
         self._works = works
 
     def wait(self, timeout=None) -> bool:
+        """Wait on every handle in order (each :class:`LoCoWork` finishes its bucket)."""
         for w in self._works:
             if w is not None:
                 w.wait()
