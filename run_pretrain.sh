@@ -25,7 +25,7 @@ if [ "$user_data" = 0 ]; then
   line=$("$PY" -m loco_megatron.data.prepare | tail -n 1)
   eval "$line"   # sets DATA_PREFIX and TOKENIZER_DIR
   data_args=(--data-path "$DATA_PREFIX" --tokenizer-type HuggingFaceTokenizer
-             --tokenizer-model "$TOKENIZER_DIR" --split 98,1,1)
+             --tokenizer-model "$TOKENIZER_DIR")
 fi
 
 ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
@@ -42,11 +42,13 @@ else
            --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm)
 fi
 
+# Megatron asserts this for tensor parallelism on pre-Blackwell GPUs (and under the emulation).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 OUT_DIR=${OUT_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$OUT_DIR"
 model_args=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256
             --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size $((4 * NPROC))
-            --train-iters 300 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
+            --train-iters 300 --split 98,1,1 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
             --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer
             --log-interval 10 --eval-interval 100 --eval-iters 10 --tensorboard-dir "$OUT_DIR/tensorboard"
             --loco-bits 4)

@@ -12,6 +12,7 @@ Run with ``python -m torch.distributed.run --nproc-per-node N -m loco_megatron.p
 
 import logging
 import os
+import sys
 import warnings
 from functools import partial
 
@@ -143,8 +144,22 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def _fail(error: Exception) -> None:
+    """Exit with a one-line error (printed by global rank 0 only), no traceback."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main() -> None:
     """Parse Megatron + LoCo flags, install LoCo, run ``megatron.training.pretrain``."""
+    from .config import LoCoConfigError
+    from .megatron.arguments import check_megatron_args, preparse_loco_config
+
+    try:
+        preparse_loco_config(sys.argv[1:])  # bad --loco-* values fail before Megatron starts
+    except LoCoConfigError as e:
+        _fail(e)
     from .emulation import activate_if_no_gpu
     from .megatron import training_fixes
 
@@ -165,7 +180,12 @@ def main() -> None:
     from .megatron.telemetry import log_loco_startup
 
     args = parse_and_validate_args(extra_args_provider=add_loco_args)
-    state = install(config_from_args(args))
+    try:
+        config = config_from_args(args)
+        check_megatron_args(args, config)
+    except LoCoConfigError as e:
+        _fail(e)
+    state = install(config)
     log_loco_startup(state, args, emulated)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*recommended to use a ModelConfig.*")

@@ -66,10 +66,8 @@ class ShardChecker:
         return worst
 
 
-def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
-          check_steps=(0, 7), block_size: int = 256):
-    """Build and train the tiny GPT with LoCo ``mode`` in {"stock", "bits16", "loco4", "loco8"}."""
-    import loco_megatron
+def build_gpt(overlap: bool, bucket_size: int = 20000):
+    """A seeded 2-layer GPTModel wrapped in megatron-core DDP, and its distributed Adam."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -78,38 +76,78 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
+                            use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+    gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
+                   vocab_size=VOCAB, max_sequence_length=SEQ)
+    ddp_cfg = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=overlap, grad_reduce_in_fp32=True,
+        bucket_size=bucket_size)
+    model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True), [model])
+    return model, opt
+
+
+def forward_backward(model, opt) -> torch.Tensor:
+    """One step's forward, backward and gradient reduction on a fixed per-DP-rank batch."""
+    from megatron.core import parallel_state as ps
+
+    gen = torch.Generator().manual_seed(100 + ps.get_data_parallel_rank())  # same on TP ranks
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens = torch.randint(0, VOCAB, (4, SEQ), generator=gen).to(device)
+    position = torch.arange(SEQ, device=device).unsqueeze(0).expand(4, -1)
+    mask = torch.tril(torch.ones(1, 1, SEQ, SEQ, device=device)) < 0.5
+    model.zero_grad_buffer()
+    opt.zero_grad()
+    loss = model(tokens, position, mask, labels=tokens).mean()
+    loss.backward()
+    model.finish_grad_sync()
+    return loss
+
+
+def stale_model_worker(rank, world):
+    """A model wrapped under an earlier install() is refused after a re-install."""
+    import loco_megatron
+
+    setup(1, "gloo")
+    loco_megatron.install(loco_megatron.LoCoConfig(bits=4))
+    old_model, old_opt = build_gpt(overlap=False)
+    forward_backward(old_model, old_opt)
+    loco_megatron.uninstall()
+    forward_backward(old_model, old_opt)  # after uninstall: stock path, no error
+    state = loco_megatron.install(loco_megatron.LoCoConfig(bits=4))
+    new_model, new_opt = build_gpt(overlap=False)
+    forward_backward(new_model, new_opt)
+    calls = state.wire.calls
+    try:
+        forward_backward(old_model, old_opt)
+        message = None
+    except RuntimeError as e:
+        message = str(e)
+    loco_megatron.uninstall()
+    return message, calls
+
+
+def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
+          check_steps=(0, 7), block_size: int = 256):
+    """Build and train the tiny GPT with LoCo ``mode`` in {"stock", "bits16", "loco4", "loco8"}."""
+    import loco_megatron
+    from megatron.core import parallel_state as ps
+
     state = None
     if mode != "stock":
         bits = {"bits16": 16, "loco4": 4, "loco8": 8}[mode]
         state = loco_megatron.install(loco_megatron.LoCoConfig(bits=bits, block_size=block_size))
     checker = ShardChecker(state) if state is not None and state.active else None
     try:
-        torch.manual_seed(1234)
-        model_parallel_cuda_manual_seed(1234)
-        cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
-                                use_cpu_initialization=True, pipeline_dtype=torch.float32,
-                                tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
-        gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
-                       vocab_size=VOCAB, max_sequence_length=SEQ)
-        ddp_cfg = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=overlap, grad_reduce_in_fp32=True,
-            bucket_size=bucket_size)
-        model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
-        opt = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True), [model])
-        dp_rank = ps.get_data_parallel_rank()
-        gen = torch.Generator().manual_seed(100 + dp_rank)  # same data on every TP rank
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        tokens = torch.randint(0, VOCAB, (4, SEQ), generator=gen).to(device)
-        position = torch.arange(SEQ, device=device).unsqueeze(0).expand(4, -1)
-        mask = torch.tril(torch.ones(1, 1, SEQ, SEQ, device=device)) < 0.5
+        model, opt = build_gpt(overlap, bucket_size)
         losses, worst = [], 0.0
         for step in range(steps):
-            model.zero_grad_buffer()
-            opt.zero_grad()
-            loss = model(tokens, position, mask, labels=tokens).mean()
-            loss.backward()
-            model.finish_grad_sync()
+            loss = forward_backward(model, opt)
             if checker is not None and step in check_steps:
                 worst = max(worst, checker.check(model, ps.get_data_parallel_group()))
             opt.step()

@@ -54,3 +54,40 @@ def test_help_lists_every_field():
     for flag in ("--loco-bits", "--loco-err-beta", "--loco-reset-interval", "--loco-block-size",
                  "--loco-error-dtype"):
         assert flag in text
+
+
+def test_preparse_reads_only_loco_flags():
+    from loco_megatron.megatron.arguments import preparse_loco_config
+
+    argv = ["--num-layers", "4", "--loco-bits", "8", "--lr", "1e-3", "--loco-block-size", "64"]
+    assert preparse_loco_config(argv) == LoCoConfig(bits=8, block_size=64)
+    with pytest.raises(LoCoConfigError, match="--loco-bits 3"):
+        preparse_loco_config(["--loco-bits", "3", "--mock-data"])
+
+
+@pytest.mark.parametrize("attrs,flag", [
+    ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
+    ({"use_custom_fsdp": True}, "--use-custom-fsdp"),
+    ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
+    ({"use_distributed_optimizer": False}, "--use-distributed-optimizer"),
+    ({"num_distributed_optimizer_instances": 2}, "--num-distributed-optimizer-instances"),
+    ({"ddp_reduce_scatter_with_fp32_accumulation": True},
+     "--ddp-reduce-scatter-with-fp32-accumulation"),
+])
+def test_megatron_combinations_refused_at_startup(attrs, flag):
+    from loco_megatron.megatron.arguments import check_megatron_args
+
+    base = dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=1)
+    args = argparse.Namespace(**{**base, **attrs})
+    with pytest.raises(LoCoConfigError, match=flag):
+        check_megatron_args(args, LoCoConfig(bits=4))
+    check_megatron_args(args, LoCoConfig(bits=16))  # LoCo off: nothing to refuse
+    check_megatron_args(argparse.Namespace(**base), LoCoConfig(bits=4))
+
+
+def test_preparse_refuses_fsdp_before_megatron_starts():
+    from loco_megatron.megatron.arguments import preparse_loco_config
+
+    with pytest.raises(LoCoConfigError, match="--use-megatron-fsdp"):
+        preparse_loco_config(["--use-megatron-fsdp", "--loco-bits", "4"])
+    assert preparse_loco_config(["--use-megatron-fsdp", "--loco-bits", "16"]).bits == 16

@@ -59,3 +59,11 @@ def check_grid(results, overlap):
         # compressed training differs from stock (it really compressed) but stays close
         assert loco["losses"] != stock["losses"]
         assert abs(loco["losses"][-1] - stock["losses"][-1]) < 0.1 * stock["losses"][0]
+
+
+def test_model_from_an_earlier_install_is_refused():
+    from .megatron_worker import stale_model_worker
+
+    for message, calls in run_ranks(stale_model_worker, 2):
+        assert calls == 1  # the new model's one bucket went through LoCo
+        assert message is not None and "before the current loco_megatron.install()" in message

@@ -56,5 +56,5 @@ def test_unsupported_ddp_configs_refused_with_flag(attr, value, flag):
     cfg = _DDPConfig()
     setattr(cfg, attr, value)
     with pytest.raises(LoCoConfigError, match=flag):
-        plugin._check_ddp_config(cfg)
-    plugin._check_ddp_config(_DDPConfig())  # the supported configuration passes
+        plugin.check_ddp_config(cfg)
+    plugin.check_ddp_config(_DDPConfig())  # the supported configuration passes

@@ -57,10 +57,32 @@ def test_run_pretrain_bits16_is_stock(tmp_path):
     assert len(_losses(out)) == 4
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_run_pretrain_tensor_parallel(tmp_path):
+    """TP2 on 2 ranks (DP=1: nothing to compress, the stock path runs and says so)."""
+    out = _run(tmp_path, "--tensor-model-parallel-size", "2")
+    assert "data-parallel size 1, no gradient is communicated" in out
+    assert len(_losses(out)) == 4
+
+
 def test_bad_loco_flag_fails_at_startup_naming_it(tmp_path):
     env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--loco-bits", "3",
                            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"],
                           env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "--loco-bits 3 is not supported" in proc.stdout + proc.stderr
+    assert "error: --loco-bits 3 is not supported" in out
+    assert "LoCoConfigError" not in out  # a one-line message, not our traceback
+    assert "building GPT model" not in out  # before Megatron starts
+
+
+def test_fsdp_refused_at_startup(tmp_path):
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--use-megatron-fsdp",
+                           "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "error: --loco-bits 4 cannot be used with --use-megatron-fsdp" in out
+    assert "LoCo active" not in out

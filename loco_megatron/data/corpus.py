@@ -175,8 +175,15 @@ def iter_jsonl_documents(
                     f"{where}: value of {json.dumps(key)} is {type(text).__name__}, "
                     "expected a string"
                 )
+            try:
+                nbytes = len(text.encode("utf-8"))
+            except UnicodeEncodeError as e:
+                raise CorpusError(
+                    f"{where}: text is not valid Unicode ({e.reason} at character {e.start}, "
+                    "e.g. a lone \\ud800 surrogate escape); fix or drop that record"
+                ) from None
             stats.documents += 1
-            stats.bytes += len(text.encode("utf-8"))
+            stats.bytes += nbytes
             yield text
 
 

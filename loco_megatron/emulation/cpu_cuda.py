@@ -111,6 +111,16 @@ def _rng_warning_filter(record: logging.LogRecord) -> bool:
     return not (is_active() and "CPU RNG state changed within GPU RNG" in record.getMessage())
 
 
+class _DeviceProperties:
+    """Stand-in for ``torch.cuda.get_device_properties()`` (an sm_80-class device)."""
+
+    name = "cpu (CUDA emulation)"
+    major, minor = 8, 0
+    multi_processor_count = 1
+    total_memory = 0
+
+
+_DEVICE_PROPERTIES = _DeviceProperties()
 _state = {"mode": None, "saved": []}
 
 
@@ -163,6 +173,7 @@ def activate() -> None:
         "reset_peak_memory_stats": lambda *a, **k: None,
         "get_device_name": lambda *a, **k: "cpu (CUDA emulation)",
         "get_device_capability": lambda *a, **k: (8, 0),
+        "get_device_properties": lambda *a, **k: _DEVICE_PROPERTIES,
     }.items():
         _patch(cuda, name, value)
     for name in ("get_rng_state", "set_rng_state", "manual_seed"):

@@ -9,7 +9,7 @@ the argparse namespace and the flags may then be absent.
 import argparse
 from dataclasses import MISSING, fields
 
-from ..config import ERROR_DTYPES, LoCoConfig
+from ..config import ERROR_DTYPES, LoCoConfig, LoCoConfigError
 
 #: dataclass field -> (flag, type, extra argparse kwargs)
 FLAGS = {
@@ -65,3 +65,53 @@ def _field_docs():
                 isinstance(getattr(nxt, "value", None), ast.Constant):
             docs[node.target.id] = nxt.value.value
     return docs
+
+
+def check_megatron_args(args, config: LoCoConfig) -> None:
+    """Refuse, at start-up, Megatron settings under which LoCo would not compress.
+
+    Megatron FSDP (``--use-megatron-fsdp``, ``--use-custom-fsdp`` before 0.14) and torch FSDP2
+    replace megatron-core's DDP gradient buffers entirely; the others are checked as on the DDP
+    config (:func:`loco_megatron.megatron.plugin.check_ddp_config`).
+
+    Raises:
+        LoCoConfigError: naming the conflicting flag.
+    """
+    if not config.enabled:
+        return
+    _check_fsdp(args, config)
+    from .plugin import check_ddp_config
+
+    check_ddp_config(argparse.Namespace(
+        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+        reduce_scatter_with_fp32_accumulation=getattr(
+            args, "ddp_reduce_scatter_with_fp32_accumulation", False)))
+
+
+_FSDP_FLAGS = (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-custom-fsdp"),
+               ("use_torch_fsdp2", "--use-torch-fsdp2"))
+
+
+def _check_fsdp(args, config: LoCoConfig) -> None:
+    for attr, flag in _FSDP_FLAGS:
+        if config.enabled and getattr(args, attr, False):
+            raise LoCoConfigError(
+                f"--loco-bits {config.bits} cannot be used with {flag}: FSDP replaces "
+                f"megatron-core's DDP gradient buffers that LoCo compresses; drop one of the two.")
+
+
+def preparse_loco_config(argv) -> LoCoConfig:
+    """Read only the ``--loco-*`` flags (and the FSDP switches) from ``argv`` before Megatron's
+    slow start-up, so that bad values and FSDP fail within a second.
+
+    Raises:
+        LoCoConfigError: naming the flag.
+    """
+    parser = add_loco_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    for attr, flag in _FSDP_FLAGS:
+        parser.add_argument(flag, dest=attr, action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    config = config_from_args(known)
+    _check_fsdp(known, config)
+    return config

@@ -16,6 +16,7 @@ buffers as ``ddp.buffers + ddp.expert_parallel_buffers``.
 """
 
 import functools
+import itertools
 import logging
 from typing import Optional
 
@@ -39,10 +40,13 @@ class LoCoState:
         compensator: the rank's error buffers (None when LoCo is off).
         wire: exact bytes sent by LoCo and the stock equivalent (:class:`WireStats`).
         num_chunks: model chunks (DDP instances) registered since install.
+        generation: distinguishes installs in one process; a bucket registered under an
+            earlier install is refused, so two models never share an error buffer.
     """
 
     def __init__(self, config: LoCoConfig):
         self.config = config
+        self.generation = next(_GENERATIONS)
         self.compensator = Compensator(config) if config.enabled else None
         self.wire = WireStats()
         self.num_chunks = 0
@@ -68,6 +72,7 @@ class LoCoState:
 
 
 _STATE: Optional[LoCoState] = None
+_GENERATIONS = itertools.count()
 
 
 def get_state() -> Optional[LoCoState]:
@@ -75,7 +80,8 @@ def get_state() -> Optional[LoCoState]:
     return _STATE
 
 
-def _check_ddp_config(ddp_config) -> None:
+def check_ddp_config(ddp_config) -> None:
+    """Refuse DDP settings LoCo does not compress (raises LoCoConfigError naming the flag)."""
     if not ddp_config.use_distributed_optimizer:
         raise LoCoConfigError(
             "--loco-bits needs the distributed optimizer (--use-distributed-optimizer): LoCo "
@@ -100,13 +106,14 @@ def _wrap_ddp_init(orig):
         state = _STATE
         if state is None or not state.active:
             return
-        _check_ddp_config(self.ddp_config)
+        check_ddp_config(self.ddp_config)
         chunk = state.num_chunks
         state.num_chunks += 1
         buffers = list(self.buffers) + list(getattr(self, "expert_parallel_buffers", []))
         for buf_idx, buffer in enumerate(buffers):
             for bucket in buffer.buckets:
                 bucket.loco_key = (chunk, buf_idx, bucket.bucket_id)
+                bucket.loco_generation = state.generation
                 state.num_buckets += 1
         groups = list(self.bucket_groups) + list(getattr(self, "expert_parallel_bucket_groups", []))
         log_chunk_layout(chunk, state.config, [
@@ -132,12 +139,15 @@ def _wrap_start_grad_sync(orig):
         def reduce_scatter(output, input, op=torch.distributed.ReduceOp.SUM, group=None,
                            async_op=False):
             bucket = next(buckets)
-            if bucket.grad_data.data_ptr() != input.data_ptr() or not hasattr(bucket, "loco_key"):
+            if bucket.grad_data.data_ptr() != input.data_ptr():
                 raise RuntimeError(
                     "LoCo: megatron-core reduce-scattered a tensor that is not the next bucket's "
-                    "grad_data (unsupported megatron-core version or a DDP built before "
-                    "loco_megatron.install())."
-                )
+                    "grad_data (unsupported megatron-core version).")
+            if getattr(bucket, "loco_generation", None) != state.generation:
+                raise RuntimeError(
+                    "LoCo: this model was wrapped in DistributedDataParallel before the current "
+                    "loco_megatron.install() (or under an earlier one); build the DDP model "
+                    "after install() so that it gets its own error buffers.")
             layout = state.layout_for(bucket, torch.distributed.get_world_size(group))
             work = compensated_reduce_scatter(
                 output, input, op=op, group=group, async_op=async_op,

@@ -49,6 +49,13 @@ def log_chunk_layout(chunk: int, config: LoCoConfig,
     _print_rank_0(
         f"> LoCo: model chunk {chunk}: {len(buckets)} buckets, {numel} gradient elements, "
         f"{loco} bytes/step per rank on the wire vs {stock} stock ({ratio:.3f}x)")
+    padded = sum(lay.world * lay.padded_shard for lay, _ in buckets)
+    if padded > 1.5 * numel:
+        _print_rank_0(
+            f"> LoCo WARNING: {padded / numel:.2f}x elements on the wire after padding (LoCo "
+            f"sends {ratio:.2f}x of stock bytes): blocks are padded at every parameter "
+            f"and shard boundary, so --loco-block-size {config.block_size} is too large for "
+            f"this model; use 256 (the default) or smaller.")
 
 
 def log_loco_startup(state, args, emulated: bool) -> None:

@@ -71,6 +71,7 @@ def test_jsonl_reads_key_and_skips_blank_lines(tmp_path):
         ('{"txt": "b"}', 'missing key "text"'),
         ('["text"]', "expected a JSON object"),
         ('{"text": 3}', "expected a string"),
+        ('{"text": "a\\ud800"}', "not valid Unicode"),
     ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path, bad_line, message):
