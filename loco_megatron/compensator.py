@@ -15,7 +15,7 @@ key their error dicts by bucket index.
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, Tuple
+from typing import Dict, Hashable, List, Tuple
 
 import torch
 
@@ -44,6 +44,16 @@ class ErrorBuffer:
             self.scales = torch.zeros(numel // block_size, dtype=torch.float32, device=device)
         else:
             self.values = torch.zeros(numel, dtype=dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stored error lives."""
+        return (self.codes if self.storage == "int8" else self.values).device
+
+    def to_(self, device) -> None:
+        """Move the stored error to ``device`` in place."""
+        for name in ("codes", "scales") if self.storage == "int8" else ("values",):
+            setattr(self, name, getattr(self, name).to(device))
 
     def get(self) -> torch.Tensor:
         """The stored error as a new ``[numel]`` tensor in the working dtype."""
@@ -100,6 +110,8 @@ class Compensator:
         if buf is None:
             buf = ErrorBuffer(numel, self.config.block_size, self.config.error_dtype, dtype, device)
             self.errors[key] = buf
+        elif buf.numel == numel and buf.device != torch.device(device):
+            buf.to_(device)  # restored from a checkpoint on another device
         elif buf.numel != numel:
             raise RuntimeError(
                 f"LoCo error buffer {key} holds {buf.numel} elements but the bucket now has "
@@ -148,3 +160,83 @@ class Compensator:
     def error_bytes(self) -> int:
         """Total bytes of all error buffers on this rank."""
         return sum(b.nbytes() for b in self.errors.values())
+
+    # ---- checkpointing (torchtitan-style ``Stateful``: state_dict / load_state_dict) ----
+
+    def fingerprint(self) -> Dict[str, object]:
+        """Settings that must match for saved error buffers to be meaningful."""
+        cfg = self.config
+        return {"bits": cfg.bits, "block_size": cfg.block_size, "error_dtype": cfg.error_dtype}
+
+    def state_dict(self) -> Dict[str, object]:
+        """This rank's LoCo state: fingerprint, per-bucket step counters and error buffers.
+
+        Returns a dict of plain Python values and CPU tensors (``torch.save``-able); error
+        buffers as ``{"numel", "codes" int8, "scales" fp32}`` (int8 storage) or
+        ``{"numel", "values"}`` (fp32 storage), keyed by the stable bucket ids.
+        """
+        errors = {}
+        for key, buf in self.errors.items():
+            entry = {"numel": buf.numel}
+            if buf.storage == "int8":
+                entry.update(codes=buf.codes.cpu().clone(), scales=buf.scales.cpu().clone())
+            else:
+                entry["values"] = buf.values.cpu().clone()
+            errors[key] = entry
+        return {"version": 1, "fingerprint": self.fingerprint(),
+                "steps": dict(self.stats.steps), "errors": errors}
+
+    def load_state_dict(self, state: Dict[str, object], device=None) -> List[str]:
+        """Restore :meth:`state_dict` output. Returns the warnings it logged (empty when the
+        state was restored exactly).
+
+        Policy: step counters are always restored (resets stay on the same optimizer steps);
+        error buffers are reset to zero, with a warning, when bits/block size/storage changed or
+        a bucket's numel differs from the saved one.
+
+        Raises:
+            ValueError: a malformed entry (missing field, wrong dtype or shape), naming the key.
+        """
+        notes = []
+        self.stats.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
+        saved_fp = state.get("fingerprint")
+        if saved_fp != self.fingerprint():
+            notes.append(f"LoCo settings changed since the checkpoint ({saved_fp} -> "
+                         f"{self.fingerprint()}): error buffers reset to zero")
+            self.errors.clear()
+        else:
+            for key, entry in state.get("errors", {}).items():
+                notes.extend(self._load_entry(key, entry, device))
+        for note in notes:
+            logger.warning(note)
+        return notes
+
+    def _load_entry(self, key, entry, device) -> List[str]:
+        fields = ("codes", "scales") if self.config.error_dtype == "int8" else ("values",)
+        if not isinstance(entry, dict) or "numel" not in entry or any(f not in entry for f in fields):
+            raise ValueError(f"LoCo checkpoint entry {key}: expected fields numel, "
+                             f"{', '.join(fields)}; got {sorted(entry) if isinstance(entry, dict) else type(entry).__name__}")
+        numel = int(entry["numel"])
+        current = self.errors.get(key)
+        if current is not None and current.numel != numel:
+            self.errors.pop(key)
+            return [f"LoCo error buffer {key}: checkpoint has {numel} elements, the bucket has "
+                    f"{current.numel} (bucket layout changed): reset to zero"]
+        expected = {"codes": (torch.int8, numel), "scales": (torch.float32, numel // self.config.block_size),
+                    "values": (None, numel)}
+        for f in fields:
+            dtype, n = expected[f]
+            t = entry[f]
+            if not isinstance(t, torch.Tensor) or t.numel() != n or (dtype and t.dtype != dtype):
+                raise ValueError(f"LoCo checkpoint entry {key}.{f}: expected {n} elements of "
+                                 f"{dtype or 'float'}, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                                 f"{'' if not isinstance(t, torch.Tensor) else ' ' + str(t.dtype)}")
+        dtype = entry["values"].dtype if "values" in entry else torch.float32
+        buf = ErrorBuffer(numel, self.config.block_size, self.config.error_dtype,
+                          torch.float64 if dtype == torch.float64 else torch.float32,
+                          device if device is not None else "cpu")
+        for f in fields:
+            getattr(buf, f).copy_(entry[f])
+        self.errors[key] = buf
+        return []

@@ -26,7 +26,8 @@ def setup(tp: int, backend: str):
 
 class ShardChecker:
     """Records what the compensator sends (compensated input h, in the padded layout) so the
-    reduced shards can be compared with the exact reduction of the h of all DP ranks."""
+    reduced shards can be compared with the exact reduction of the h of all DP ranks.
+    Assumes ``ReduceOp.SUM`` (megatron's default; ``average_in_collective`` would divide by DP)."""
 
     def __init__(self, state):
         self.state, self.sent = state, {}
