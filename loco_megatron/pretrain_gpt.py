@@ -167,6 +167,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     training_fixes.skip_helper_build_when_prebuilt()
+    training_fixes.init_torch_optimizer_states_before_load()
     if emulated:
         training_fixes.skip_jit_warmup()
 

@@ -86,3 +86,17 @@ def test_fsdp_refused_at_startup(tmp_path):
     assert proc.returncode != 0
     assert "error: --loco-bits 4 cannot be used with --use-megatron-fsdp" in out
     assert "LoCo active" not in out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_resume_from_checkpoint_with_loco(tmp_path):
+    """--save/--exit-interval then --load continues at the saved iteration (megatron-core's torch
+    optimizer fallback needs loco_megatron.megatron.training_fixes for this on CPU). LoCo's error
+    buffers restart from zero on resume until they are checkpointed (issue 3)."""
+    ckpt = str(tmp_path / "ckpt")
+    _run(tmp_path, "--train-iters", "6", "--save", ckpt, "--save-interval", "4",
+         "--exit-interval", "4")
+    out = _run(tmp_path, "--train-iters", "6", "--load", ckpt)
+    assert re.search(r"successfully loaded checkpoint from .* at iteration 4", out)
+    assert re.findall(r"iteration\s+(\d+)/\s*6 \|", out) == ["5", "6"]
+    assert len(_losses(out)) == 2

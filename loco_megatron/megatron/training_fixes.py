@@ -4,12 +4,15 @@
   Makefile, while ``megatron.training.initialize._compile_dependencies`` always runs ``make`` on
   rank 0 and exits when it fails: :func:`skip_helper_build_when_prebuilt` keeps the build only
   when the prebuilt helper is missing (any hardware).
+* Without TE/apex, ``--load`` fails before the first optimizer step
+  (:func:`init_torch_optimizer_states_before_load`).
 * Under the CPU emulation, dynamo cannot trace through the torch function mode, so the JIT
   warm-up is skipped (:func:`skip_jit_warmup`).
 """
 
 import importlib
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -45,3 +48,41 @@ def skip_jit_warmup() -> None:
     import megatron.training.initialize as initialize
 
     initialize._warmup_jit_function = lambda *args, **kwargs: None
+
+
+def init_torch_optimizer_states_before_load() -> None:
+    """Let ``--load`` work with megatron-core's torch-optimizer fallback (no TE/apex, e.g. CPU).
+
+    Without Transformer Engine or apex, megatron-core's ``DistributedOptimizer`` wraps
+    ``torch.optim.AdamW``, whose state (and per-parameter ``step``) is empty until the first
+    step; ``DistributedOptimizer.state_dict()`` then fails (``assert len(steps) == 1``) while
+    ``load_checkpoint`` builds the state dict to load into. Before loading an existing
+    checkpoint, this runs megatron-core's own ``_init_optimizer_states_with_dummy_values()``
+    (the call megatron makes itself for some sharding formats); the checkpoint then overwrites
+    the dummy states and the parameters. Stock behaviour everywhere else.
+    """
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+    import torch
+    import megatron.training.training as training
+
+    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(training.load_checkpoint, "_loco_wrapped", False):
+        return
+    original = training.load_checkpoint
+
+    def load_checkpoint(model, optimizer, *args, **kwargs):
+        from megatron.training import get_args
+
+        load_dir = get_args().load
+        if optimizer is not None and load_dir and os.path.exists(
+                os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+            for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+                if isinstance(opt, distrib_optimizer.DistributedOptimizer) and not opt.optimizer.state:
+                    with torch.no_grad():
+                        opt._init_optimizer_states_with_dummy_values()
+        # fp32 training: the distributed optimizer's main params are views of the model's leaf
+        # params, which the dp_reshardable loader copies into in place; autograd must be off.
+        with torch.no_grad():
+            return original(model, optimizer, *args, **kwargs)
+
+    load_checkpoint._loco_wrapped = True
+    training.load_checkpoint = load_checkpoint
