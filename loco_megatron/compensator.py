@@ -20,9 +20,13 @@ from typing import Dict, Hashable, List, Tuple
 import torch
 
 from .config import LoCoConfig
-from .quantization import dequantize_blockwise, encode, decode, quantize_blockwise
+from .quantization import dequantize_blockwise, pack_codes, quantize_blockwise
 
 logger = logging.getLogger(__name__)
+
+
+#: tensors that hold an error buffer, per ``--loco-error-dtype``
+STORAGE_FIELDS = {"int8": ("codes", "scales"), "fp32": ("values",)}
 
 
 class ErrorBuffer:
@@ -45,15 +49,19 @@ class ErrorBuffer:
         else:
             self.values = torch.zeros(numel, dtype=dtype, device=device)
 
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """The stored tensors by field name (:data:`STORAGE_FIELDS`)."""
+        return {name: getattr(self, name) for name in STORAGE_FIELDS[self.storage]}
+
     @property
     def device(self) -> torch.device:
         """Where the stored error lives."""
-        return (self.codes if self.storage == "int8" else self.values).device
+        return next(iter(self.tensors().values())).device
 
     def to_(self, device) -> None:
         """Move the stored error to ``device`` in place."""
-        for name in ("codes", "scales") if self.storage == "int8" else ("values",):
-            setattr(self, name, getattr(self, name).to(device))
+        for name, t in self.tensors().items():
+            setattr(self, name, t.to(device))
 
     def get(self) -> torch.Tensor:
         """The stored error as a new ``[numel]`` tensor in the working dtype."""
@@ -72,13 +80,12 @@ class ErrorBuffer:
 
     def zero_(self) -> None:
         """Reset to zero (scales too, so a zero block never decodes to NaN)."""
-        for t in (self.codes, self.scales) if self.storage == "int8" else (self.values,):
+        for t in self.tensors().values():
             t.zero_()
 
     def nbytes(self) -> int:
         """Bytes held in memory by this buffer."""
-        ts = (self.codes, self.scales) if self.storage == "int8" else (self.values,)
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
 @dataclass
@@ -129,7 +136,7 @@ class Compensator:
                 modified.
 
         Returns:
-            ``(payload, scales)`` from :func:`loco_megatron.quantization.encode` for ``n``
+            ``(payload, scales)`` as :func:`loco_megatron.quantization.encode` gives them for ``n``
             elements: uint8 ``[n * bits / 8]``, fp32 ``[n / block_size]``.
 
         A non-finite compensated gradient is still encoded (the reduced result is then
@@ -144,9 +151,10 @@ class Compensator:
             self.stats.resets += 1
         e_prev = buf.get()
         h = g.to(work) + e_prev
-        payload, scales = encode(h, cfg.bits, cfg.block_size)
+        codes, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
+        scales = scales.float()  # as sent, so the error is measured against what peers decode
         if torch.isfinite(scales).all():
-            new_err = h - decode(payload, scales, cfg.bits, cfg.block_size, dtype=work)
+            new_err = h - dequantize_blockwise(codes, scales, cfg.block_size, dtype=work)
             if cfg.beta:
                 new_err = cfg.beta * e_prev + (1.0 - cfg.beta) * new_err
             buf.set(new_err)
@@ -155,7 +163,7 @@ class Compensator:
             logger.warning("LoCo: non-finite gradient in bucket %s; error update skipped", key)
         self.stats.steps[key] = step + 1
         self.stats.calls += 1
-        return payload, scales
+        return pack_codes(codes, cfg.bits), scales
 
     def error_bytes(self) -> int:
         """Total bytes of all error buffers on this rank."""
@@ -177,12 +185,8 @@ class Compensator:
         """
         errors = {}
         for key, buf in self.errors.items():
-            entry = {"numel": buf.numel}
-            if buf.storage == "int8":
-                entry.update(codes=buf.codes.cpu().clone(), scales=buf.scales.cpu().clone())
-            else:
-                entry["values"] = buf.values.cpu().clone()
-            errors[key] = entry
+            errors[key] = {"numel": buf.numel,
+                           **{name: t.cpu().clone() for name, t in buf.tensors().items()}}
         return {"version": 1, "fingerprint": self.fingerprint(),
                 "steps": dict(self.stats.steps), "errors": errors}
 
@@ -212,7 +216,7 @@ class Compensator:
         return notes
 
     def _load_entry(self, key, entry, device) -> List[str]:
-        fields = ("codes", "scales") if self.config.error_dtype == "int8" else ("values",)
+        fields = STORAGE_FIELDS[self.config.error_dtype]
         if not isinstance(entry, dict) or "numel" not in entry or any(f not in entry for f in fields):
             raise ValueError(f"LoCo checkpoint entry {key}: expected fields numel, "
                              f"{', '.join(fields)}; got {sorted(entry) if isinstance(entry, dict) else type(entry).__name__}")

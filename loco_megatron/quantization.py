@@ -108,8 +108,12 @@ def encode(x: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor, t
     reinterpreted as uint8).
     """
     codes, scales = quantize_blockwise(x, bits, block_size)
-    payload = pack_int4(codes) if bits == 4 else codes.view(torch.uint8)
-    return payload, scales.float()
+    return pack_codes(codes, bits), scales.float()
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Wire form of unpacked int8 codes: two per byte for 4 bits, reinterpreted as uint8 for 8."""
+    return pack_int4(codes) if bits == 4 else codes.view(torch.uint8)
 
 
 def decode(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,
