@@ -210,37 +210,87 @@ class Compensator:
             self.errors.clear()
         else:
             for key, entry in state.get("errors", {}).items():
-                notes.extend(self._load_entry(key, entry, device))
+                if not isinstance(entry, dict) or "numel" not in entry:
+                    raise ValueError(f"LoCo checkpoint entry {key}: expected a dict with numel")
+                numel = int(entry["numel"])
+                current = self.errors.get(key)
+                if current is not None and current.numel != numel:
+                    self.errors.pop(key)
+                    notes.append(f"LoCo error buffer {key}: checkpoint has {numel} elements, the "
+                                 f"bucket has {current.numel} (bucket layout changed): reset to zero")
+                    continue
+                self.restore_error(key, entry, numel, device or "cpu", where=f"entry {key}")
         for note in notes:
             logger.warning(note)
         return notes
 
-    def _load_entry(self, key, entry, device) -> List[str]:
-        fields = STORAGE_FIELDS[self.config.error_dtype]
-        if not isinstance(entry, dict) or "numel" not in entry or any(f not in entry for f in fields):
-            raise ValueError(f"LoCo checkpoint entry {key}: expected fields numel, "
-                             f"{', '.join(fields)}; got {sorted(entry) if isinstance(entry, dict) else type(entry).__name__}")
-        numel = int(entry["numel"])
-        current = self.errors.get(key)
-        if current is not None and current.numel != numel:
-            self.errors.pop(key)
-            return [f"LoCo error buffer {key}: checkpoint has {numel} elements, the bucket has "
-                    f"{current.numel} (bucket layout changed): reset to zero"]
-        expected = {"codes": (torch.int8, numel), "scales": (torch.float32, numel // self.config.block_size),
-                    "values": (None, numel)}
-        for f in fields:
-            dtype, n = expected[f]
-            t = entry[f]
-            if not isinstance(t, torch.Tensor) or t.numel() != n or (dtype and t.dtype != dtype):
-                raise ValueError(f"LoCo checkpoint entry {key}.{f}: expected {n} elements of "
-                                 f"{dtype or 'float'}, got "
-                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
-                                 f"{'' if not isinstance(t, torch.Tensor) else ' ' + str(t.dtype)}")
-        dtype = entry["values"].dtype if "values" in entry else torch.float32
-        buf = ErrorBuffer(numel, self.config.block_size, self.config.error_dtype,
-                          torch.float64 if dtype == torch.float64 else torch.float32,
-                          device if device is not None else "cpu")
-        for f in fields:
-            getattr(buf, f).copy_(entry[f])
-        self.errors[key] = buf
-        return []
+    def restore_error(self, key: Hashable, entry: Dict[str, torch.Tensor], numel: int, device,
+                      where: str) -> None:
+        """Set bucket ``key``'s error buffer (``numel`` elements) from a saved ``entry``.
+
+        ``entry`` holds the fields of either storage (:data:`STORAGE_FIELDS`); saved with the
+        current storage it is copied bit for bit, otherwise it is decoded and stored again.
+
+        Raises:
+            ValueError: missing field, wrong dtype or element count; the message names ``where``.
+        """
+        storage = validate_entry(entry, numel, self.config.block_size, where)
+        dtype = entry["values"].dtype if storage == "fp32" else torch.float32
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        self.errors.pop(key, None)
+        buf = self._buffer(key, numel, work, device)
+        if storage == self.config.error_dtype:
+            for name in STORAGE_FIELDS[storage]:
+                getattr(buf, name).copy_(entry[name])
+        else:
+            buf.set(decode_entry(entry, self.config.block_size, work).to(device))
+
+    def set_error(self, key: Hashable, values: torch.Tensor) -> None:
+        """Set bucket ``key``'s error to ``values`` (``[numel]``, fp32; int8 storage rounds)."""
+        self.errors.pop(key, None)
+        self._buffer(key, values.numel(), torch.float32, values.device).set(values)
+
+    def reset_error(self, key: Hashable) -> None:
+        """Forget bucket ``key``'s error (it restarts from zero at its next compress)."""
+        self.errors.pop(key, None)
+
+
+def validate_entry(entry, numel: int, block_size: int, where: str) -> str:
+    """Check a saved error-buffer entry and return its storage (``"int8"`` or ``"fp32"``).
+
+    Args:
+        entry: ``{"codes": int8 [numel], "scales": fp32 [numel / block_size]}`` or
+            ``{"values": float [numel]}`` (extra keys such as ``numel`` are ignored).
+        where: names the entry in error messages (checkpoint file and key).
+
+    Raises:
+        ValueError: neither field set present, or a field of the wrong dtype or length.
+    """
+    if not isinstance(entry, dict):
+        raise ValueError(f"LoCo checkpoint {where}: expected a dict of tensors, got "
+                         f"{type(entry).__name__}")
+    storage = next((s for s, fields in STORAGE_FIELDS.items() if all(f in entry for f in fields)),
+                   None)
+    if storage is None:
+        raise ValueError(f"LoCo checkpoint {where}: expected fields codes, scales (int8 storage) "
+                         f"or values (fp32 storage); got {sorted(entry)}")
+    expected = {"codes": (torch.int8, numel), "scales": (torch.float32, numel // block_size),
+                "values": (None, numel)}
+    for name in STORAGE_FIELDS[storage]:
+        dtype, n = expected[name]
+        t = entry[name]
+        if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != n
+                or (dtype is not None and t.dtype != dtype)
+                or (dtype is None and not t.is_floating_point())):
+            got = (f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor)
+                   else type(t).__name__)
+            raise ValueError(f"LoCo checkpoint {where}.{name}: expected {n} elements of "
+                             f"{dtype or 'a float dtype'}, got {got}")
+    return storage
+
+
+def decode_entry(entry, block_size: int, dtype=torch.float32) -> torch.Tensor:
+    """The error values ``[numel]`` of a validated entry, in ``dtype``."""
+    if "codes" in entry:
+        return dequantize_blockwise(entry["codes"], entry["scales"], block_size, dtype=dtype)
+    return entry["values"].to(dtype)

@@ -168,6 +168,7 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     training_fixes.skip_helper_build_when_prebuilt()
     training_fixes.init_torch_optimizer_states_before_load()
+    training_fixes.fix_torch_adamw_resume()
     if emulated:
         training_fixes.skip_jit_warmup()
 

@@ -67,7 +67,7 @@ class ShardChecker:
         return worst
 
 
-def build_gpt(overlap: bool, bucket_size: int = 20000):
+def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1):
     """A seeded 2-layer GPTModel wrapped in megatron-core DDP, and its distributed Adam."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -81,6 +81,7 @@ def build_gpt(overlap: bool, bucket_size: int = 20000):
     model_parallel_cuda_manual_seed(1234)
     cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
                             use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                            hidden_dropout=dropout, attention_dropout=dropout,
                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
                    vocab_size=VOCAB, max_sequence_length=SEQ)

@@ -26,7 +26,7 @@ from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
 from ..compensator import Compensator
 from ..config import LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
-from . import compat
+from . import ckpt_hooks, compat
 from .telemetry import log_chunk_layout
 
 logger = logging.getLogger(__name__)
@@ -172,8 +172,12 @@ def _wrap_start_grad_sync(orig):
 def install(config: LoCoConfig) -> LoCoState:
     """Route megatron-core's distributed-optimizer gradient reduce-scatter through LoCo.
 
-    Call before the model is wrapped in ``DistributedDataParallel``. With ``config.bits`` None,
-    16 or 32 nothing is patched and megatron-core runs bit-for-bit as stock.
+    Call before the model is wrapped in ``DistributedDataParallel``. Also routes the
+    distributed optimizer's checkpoint calls through :mod:`loco_megatron.megatron.ckpt_hooks`,
+    so error buffers are saved and restored with the optimizer state. With ``config.bits``
+    None, 16 or 32 the reduce path is not patched and megatron-core trains bit-for-bit as
+    stock; only the checkpoint-load hooks run, to warn when a checkpoint's LoCo state is
+    ignored.
 
     Returns:
         the :class:`LoCoState` (also available from :func:`get_state`).
@@ -185,15 +189,14 @@ def install(config: LoCoConfig) -> LoCoState:
     if _STATE is not None:
         raise RuntimeError("loco_megatron is already installed; call uninstall() first")
     state = LoCoState(config)
+    targets = ckpt_hooks.patches()
     if state.active:
-        ddp_cls = compat.ddp_class()
-        group_cls = compat.bucket_group_class()
-        state._originals = {
-            (ddp_cls, "__init__"): ddp_cls.__init__,
-            (group_cls, "start_grad_sync"): group_cls.start_grad_sync,
-        }
-        ddp_cls.__init__ = _wrap_ddp_init(ddp_cls.__init__)
-        group_cls.start_grad_sync = _wrap_start_grad_sync(group_cls.start_grad_sync)
+        targets += [(compat.ddp_class(), "__init__", _wrap_ddp_init),
+                    (compat.bucket_group_class(), "start_grad_sync", _wrap_start_grad_sync)]
+    for owner, name, wrap in targets:
+        original = getattr(owner, name)
+        state._originals[(owner, name)] = original
+        setattr(owner, name, wrap(original))
     _STATE = state
     return state
 
@@ -206,6 +209,6 @@ def uninstall() -> None:
     global _STATE
     if _STATE is None:
         return
-    for (cls, name), fn in _STATE._originals.items():
-        setattr(cls, name, fn)
+    for (owner, name), fn in reversed(list(_STATE._originals.items())):
+        setattr(owner, name, fn)
     _STATE = None

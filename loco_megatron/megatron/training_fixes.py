@@ -6,6 +6,8 @@
   when the prebuilt helper is missing (any hardware).
 * Without TE/apex, ``--load`` fails before the first optimizer step
   (:func:`init_torch_optimizer_states_before_load`).
+* Without TE/apex, resuming is not exact and the ``torch`` format cannot be loaded
+  (:func:`fix_torch_adamw_resume`).
 * Under the CPU emulation, dynamo cannot trace through the torch function mode, so the JIT
   warm-up is skipped (:func:`skip_jit_warmup`).
 """
@@ -13,6 +15,8 @@
 import importlib
 import logging
 import os
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +66,6 @@ def init_torch_optimizer_states_before_load() -> None:
     the dummy states and the parameters. Stock behaviour everywhere else.
     """
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
-    import torch
     import megatron.training.training as training
 
     if distrib_optimizer.HAVE_APEX_OR_TE or getattr(training.load_checkpoint, "_loco_wrapped", False):
@@ -86,3 +89,47 @@ def init_torch_optimizer_states_before_load() -> None:
 
     load_checkpoint._loco_wrapped = True
     training.load_checkpoint = load_checkpoint
+
+
+def fix_torch_adamw_resume() -> None:
+    """Make resuming bit-exact with megatron-core's torch-optimizer fallback (no TE/apex, e.g.
+    CPU). Two megatron-core 0.19 defects on that path, both fixed here; stock behaviour when
+    TE/apex is present:
+
+    * ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every tensor of the
+      optimizer's per-parameter state from the loaded dict, but ``torch.optim.AdamW`` keeps a
+      per-parameter ``step`` tensor that megatron-core does not save there, so a ``torch``-format
+      (``dp_zero``) load dies with ``KeyError: 'step'``, and a ``dp_reshardable`` load copies
+      the *template's* ``step`` back over the loaded one (the resumed run restarts Adam's bias
+      correction from 1). Only ``param`` and the saved optimizer-state keys are copied; others
+      are passed as None, which megatron-core skips (``step`` comes from the param groups).
+    * ``DistributedOptimizer.load_state_dict`` gives every parameter the *same* ``step`` tensor,
+      which ``torch.optim.AdamW`` then increments once per parameter per step: after a resume
+      the bias correction runs ahead (step 2 -> 19 for 17 parameters). Each parameter gets its
+      own copy after the load.
+    """
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+
+    cls = distrib_optimizer.DistributedOptimizer
+    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(cls.load_state_dict, "_loco_fix", False):
+        return
+    set_states, load_state_dict = cls._set_main_param_and_optimizer_states, cls.load_state_dict
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        saved = ("param", *self.optimizer_state_keys)  # never the per-parameter "step"
+        keys = set(tensors) | set(self.optimizer.state.get(main_param, {}))
+        return set_states(self, model_param,
+                          {k: tensors.get(k) if k in saved else None for k in keys})
+
+    def untied_load_state_dict(self, state_dict):
+        result = load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    untied_load_state_dict._loco_fix = True
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+    cls.load_state_dict = untied_load_state_dict

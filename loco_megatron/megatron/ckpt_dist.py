@@ -1,0 +1,150 @@
+"""LoCo state in megatron-core distributed checkpoints (``--ckpt-format torch_dist``).
+
+``DistributedOptimizer.sharded_state_dict`` (megatron/core/optimizer/distrib_optimizer.py) gets
+a ``"loco"`` entry, with megatron's own key scheme ``loco.dp_group_idx_{i}.gbuf_idx_{g}.
+bucket_idx_{b}`` (``ChainedOptimizer`` prefixes it like the rest):
+
+* ``.meta``: a ``ShardedObject`` (one per TP/PP domain) with the fingerprint, DP size, bucket
+  layout and step counters (:meth:`OptimizerLoCo.meta`);
+* ``.exact.{codes,scales|values}``: each rank's error buffer under a leading DP axis,
+  ``ShardedTensor.from_rank_offsets(key, data, (0, dp_rank, dp_size), prepend_axis_num=1)``;
+* ``.error_sum``: the DP-summed error in the ``dp_reshardable`` index space,
+  global shape ``(numel_unpadded,)``, rank ``r`` holding ``[r * shard, (r + 1) * shard)``.
+
+Which of these a load can use depends on the checkpoint (DP size, presence of LoCo state), which
+``sharded_state_dict(is_loading=True)`` cannot see. So the load template holds only a request and
+the ``meta`` object; :func:`resolve_requests`, run by the wrapped ``dist_checkpointing.load``
+(which knows the directory), reads the checkpoint's metadata and adds the ``ShardedTensor`` s of
+the usable form, or drops ``meta`` when the checkpoint has no LoCo state.
+``DistributedOptimizer.load_state_dict`` then hands the loaded entry to
+:func:`loco_megatron.megatron.ckpt_state.apply`.
+"""
+
+from typing import Dict, Iterator, List
+
+import torch
+
+from .ckpt_state import OptimizerLoCo, apply
+
+REQUEST = "__loco__"
+
+
+def _mapping():
+    from megatron.core.dist_checkpointing import mapping
+
+    return mapping
+
+
+def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
+    """The ``"loco"`` entry of ``view``'s optimizer sharded state dict (collective on save:
+    the summed error is reduce-scattered over the DP group)."""
+    m = _mapping()
+    meta_key, rank, world = f"{view.prefix}.meta", view.dp_rank, view.dp_size
+    if is_loading:
+        request = {"active": view.state.active, "dp_rank": rank, "dp_size": world,
+                   "buckets": {r.name: {"error_numel": r.error_numel,
+                                        "numel_unpadded": r.numel_unpadded,
+                                        "sum_range": r.sum_range} for r in view.buckets}}
+        return {REQUEST: m.LocalNonpersistentObject(request),
+                "meta": m.ShardedObject(meta_key, None, (1,), (0,), replica_id=(0, 0, rank))}
+    meta = view.meta()
+    entry = {"meta": m.ShardedObject(meta_key, meta, (1,), (0,), replica_id=(0, 0, rank)),
+             "exact": {}, "sum": {}}
+    if "exact" not in meta["forms"]:
+        return entry
+    for ref in view.buckets:
+        base = f"{view.prefix}.{ref.name}"
+        entry["exact"][ref.name] = {
+            field: m.ShardedTensor.from_rank_offsets(f"{base}.exact.{field}", t, (0, rank, world),
+                                                     replica_id=0, prepend_axis_num=1)
+            for field, t in view.exact(ref).items()}
+        values = view.summed_shard(ref)
+        if values.numel():
+            entry["sum"][ref.name] = _sum_tensor(f"{base}.error_sum", values, ref.numel_unpadded,
+                                                 ref.sum_range[0])
+    return entry
+
+
+def _sum_tensor(key: str, data: torch.Tensor, numel_unpadded: int, start: int):
+    return _mapping().ShardedTensor(
+        key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
+        global_shape=(numel_unpadded,), global_offset=(start,), axis_fragmentations=None,
+        replica_id=0, prepend_axis_num=0, allow_shape_mismatch=False, flattened_range=None)
+
+
+def _requests(tree) -> Iterator[dict]:
+    if isinstance(tree, dict):
+        if REQUEST in tree:
+            yield tree
+        for v in tree.values():
+            yield from _requests(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _requests(v)
+
+
+def resolve_requests(sharded_state_dict, checkpoint_dir) -> int:
+    """Turn every LoCo load request in ``sharded_state_dict`` into what ``checkpoint_dir``
+    holds (in place). Returns the number of requests resolved."""
+    m = _mapping()
+    requests = list(_requests(sharded_state_dict))
+    if not requests:
+        return 0
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    saved = load_sharded_metadata(str(checkpoint_dir))
+    for entry in requests:
+        wrapped = entry[REQUEST]
+        req = dict(wrapped.obj if isinstance(wrapped, m.LocalNonpersistentObject) else wrapped)
+        meta_obj = entry["meta"]
+        prefix = meta_obj.key[:-len(".meta")]
+        req["source"] = str(checkpoint_dir)
+        entry[REQUEST] = m.LocalNonpersistentObject(req)
+        if meta_obj.unique_key not in saved:
+            del entry["meta"]
+            continue
+        if not req["active"]:
+            continue
+        entry["exact"], entry["sum"] = {}, {}
+        rank, world = req["dp_rank"], req["dp_size"]
+        for name, b in req["buckets"].items():
+            base = f"{prefix}.{name}"
+            exact = _saved_exact(saved, f"{base}.exact", world, b["error_numel"])
+            if exact is not None:
+                entry["exact"][name] = {
+                    f: m.ShardedTensor.from_rank_offsets(
+                        f"{base}.exact.{f}", torch.empty(n, dtype=dtype), (0, rank, world),
+                        replica_id=0, prepend_axis_num=1)
+                    for f, (dtype, n) in exact.items()}
+                continue
+            sum_meta = saved.get(f"{base}.error_sum")
+            if sum_meta is None or tuple(sum_meta.global_shape) != (b["numel_unpadded"],):
+                continue
+            start, stop = b["sum_range"]
+            entry["sum"][name] = (
+                _sum_tensor(f"{base}.error_sum", torch.empty(stop - start, dtype=sum_meta.dtype),
+                            b["numel_unpadded"], start)
+                if stop > start else m.LocalNonpersistentObject(torch.empty(0)))
+    return len(requests)
+
+
+def _saved_exact(saved, base: str, world: int, numel: int):
+    """``{field: (dtype, local numel)}`` of an exact form saved at DP size ``world``, else None."""
+    for fields in (("codes", "scales"), ("values",)):
+        metas = [saved.get(f"{base}.{f}") for f in fields]
+        if all(x is not None for x in metas):
+            shapes = [tuple(x.global_shape) for x in metas]
+            if all(len(s) == 2 and s[0] == world for s in shapes) and shapes[0][1] == numel:
+                return {f: (x.dtype, s[1]) for f, x, s in zip(fields, metas, shapes)}
+    return None
+
+
+def load_entry(view: OptimizerLoCo, entry: dict) -> List[str]:
+    """Apply a loaded ``"loco"`` entry to ``view`` (see :func:`ckpt_state.apply`)."""
+    req = entry.get(REQUEST)
+    if not isinstance(req, dict) or "source" not in req:
+        raise RuntimeError("LoCo: the distributed checkpoint was loaded without "
+                           "loco_megatron's dist_checkpointing.load hook; call "
+                           "loco_megatron.install() before loading")
+    return apply(view, entry.get("meta"), entry.get("exact") or None, entry.get("sum") or None,
+                 req["source"])

@@ -1,0 +1,131 @@
+"""Wrappers that carry LoCo state through megatron-core's optimizer checkpoint calls.
+
+Installed by :func:`loco_megatron.install` (and removed by ``uninstall``); both Megatron-LM's
+``megatron.training.checkpointing`` and the main job reach them through megatron-core's own
+calls:
+
+==========================================================  =====================================
+``DistributedOptimizer.sharded_state_dict``                 adds the ``"loco"`` entry (torch_dist)
+``dist_checkpointing.load``                                 resolves LoCo load requests
+``DistributedOptimizer.load_state_dict``                    applies a loaded ``"loco"`` entry
+``DistributedOptimizer.save_parameter_state`` / ``load_``   per-rank LoCo files (torch format)
+``ChainedOptimizer.save_parameter_state`` / ``load_``       the same, for several optimizers
+==========================================================  =====================================
+
+With LoCo off (``--loco-bits 16/32``) only the load side runs, to warn that a checkpoint's LoCo
+state is ignored; nothing is saved and training is untouched.
+"""
+
+import functools
+import importlib
+
+from . import ckpt_dist, ckpt_torch
+from .ckpt_state import OptimizerLoCo
+
+
+def _state():
+    from .plugin import get_state
+
+    return get_state()
+
+
+def _view(optimizer):
+    state = _state()
+    return None if state is None else OptimizerLoCo(optimizer, state)
+
+
+def _wrap_sharded_state_dict(orig):
+    @functools.wraps(orig)
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        if model_sharded_state_dict is None:
+            model_sharded_state_dict = {}
+        result = orig(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+        view = _view(self)
+        sharding = (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type")
+        if (view is None or not isinstance(result, dict) or sharding == "fsdp_dtensor"
+                or (not is_loading and not view.state.active)):
+            return result
+        result["loco"] = ckpt_dist.sharded_entry(view, is_loading)
+        return result
+    return sharded_state_dict
+
+
+def _wrap_load_state_dict(orig):
+    @functools.wraps(orig)
+    def load_state_dict(self, state_dict):
+        entry = None
+        if isinstance(state_dict, dict) and "loco" in state_dict:
+            entry = state_dict["loco"]
+            state_dict = {k: v for k, v in state_dict.items() if k != "loco"}
+        result = orig(self, state_dict)
+        view = _view(self)
+        if entry is not None and view is not None:
+            ckpt_dist.load_entry(view, entry)
+        return result
+    return load_state_dict
+
+
+def _distributed_optimizers(optimizer):
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [(i, opt) for i, opt in enumerate(chain) if isinstance(opt, DistributedOptimizer)
+            and not getattr(opt, "is_stub_optimizer", False)]
+
+
+def _wrap_save_parameter_state(orig, chained: bool):
+    @functools.wraps(orig)
+    def save_parameter_state(self, filename):
+        orig(self, filename)
+        if chained and len(self.chained_optimizers) == 1:
+            return  # delegated to the DistributedOptimizer's own (wrapped) method
+        for index, opt in _distributed_optimizers(self):
+            view = _view(opt)
+            if view is not None:
+                ckpt_torch.save(view, filename, index)
+    return save_parameter_state
+
+
+def _wrap_load_parameter_state(orig, chained: bool):
+    @functools.wraps(orig)
+    def load_parameter_state(self, filename, *args, **kwargs):
+        result = orig(self, filename, *args, **kwargs)
+        if chained and len(self.chained_optimizers) == 1:
+            return result
+        for index, opt in _distributed_optimizers(self):
+            view = _view(opt)
+            if view is not None:
+                ckpt_torch.load(view, filename, index)
+        return result
+    return load_parameter_state
+
+
+def _wrap_dist_load(orig):
+    @functools.wraps(orig)
+    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        ckpt_dist.resolve_requests(sharded_state_dict, checkpoint_dir)
+        return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+    return load
+
+
+def patches():
+    """``[(owner, attribute, wrapper factory)]`` that :func:`loco_megatron.install` applies."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    dist_ckpt = importlib.import_module("megatron.core.dist_checkpointing")
+    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    return [
+        (DistributedOptimizer, "sharded_state_dict", _wrap_sharded_state_dict),
+        (DistributedOptimizer, "load_state_dict", _wrap_load_state_dict),
+        (DistributedOptimizer, "save_parameter_state",
+         functools.partial(_wrap_save_parameter_state, chained=False)),
+        (DistributedOptimizer, "load_parameter_state",
+         functools.partial(_wrap_load_parameter_state, chained=False)),
+        (ChainedOptimizer, "save_parameter_state",
+         functools.partial(_wrap_save_parameter_state, chained=True)),
+        (ChainedOptimizer, "load_parameter_state",
+         functools.partial(_wrap_load_parameter_state, chained=True)),
+        (dist_ckpt, "load", _wrap_dist_load),
+        (serialization, "load", _wrap_dist_load),
+    ]

@@ -1,0 +1,253 @@
+"""The LoCo state one ``DistributedOptimizer`` saves and restores, and the resume policy.
+
+DESIGN.md §4. Each DistributedOptimizer owns gradient buffers (``optimizer.buffers``) whose
+buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own bucket names
+(``gbuf_idx_{g}.bucket_idx_{b}``, as in ``DistributedOptimizer.sharded_param_state_dp_reshardable``):
+
+* ``meta``: format version, fingerprint (bits, block size, error storage, beta, reset interval),
+  DP size, and per bucket its sizes, parameter ranges and step counter (resets stay on the
+  same optimizer steps across a resume);
+* ``exact``: this rank's error buffer as stored (int8 codes + fp32 scales, or fp32 values) in
+  the padded wire layout; restored bit for bit when the DP size and layout are unchanged;
+* ``sum``: the DP-sum of all ranks' errors, reduce-scattered, in the bucket's
+  ``dp_reshardable`` index space ``[0, numel_unpadded)`` (rank ``r`` keeps
+  ``[r * shard, (r + 1) * shard)``). Error feedback only guarantees the summed error (DESIGN §1),
+  so after a DP-size change each rank puts its shard of the sum in its own shard range of the
+  new layout (zero elsewhere): the DP-sum is preserved up to one fp32 rounding (int8 storage
+  adds its usual half step).
+
+:func:`apply` implements the resume policy and returns the lines it logged.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..layout import BucketLayout
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class BucketRef:
+    """One bucket of the optimizer: megatron-core name, LoCo key and wire layout."""
+
+    name: str
+    bucket: object  # megatron-core _ParamAndGradBucket
+    key: object
+    layout: BucketLayout
+    dp_rank: int
+
+    @property
+    def numel_unpadded(self) -> int:
+        """Elements of the bucket without the end padding to a DP multiple."""
+        return int(getattr(self.bucket, "numel_unpadded", self.bucket.grad_data.numel()))
+
+    @property
+    def error_numel(self) -> int:
+        """Elements of the error buffer (the padded wire layout)."""
+        return self.layout.world * self.layout.padded_shard
+
+    @property
+    def sum_range(self):
+        """``(start, stop)`` of this rank's shard of the summed error (may be empty)."""
+        start = self.layout.shard * self.dp_rank
+        return start, max(start, min(start + self.layout.shard, self.numel_unpadded))
+
+    def params(self) -> List[List[int]]:
+        """Bucket-local ``[start, end)`` of every parameter, sorted."""
+        return sorted([int(s), int(e)] for s, e in self.bucket.param_to_index.values())
+
+
+class OptimizerLoCo:
+    """The LoCo view of one megatron-core ``DistributedOptimizer``.
+
+    Args:
+        optimizer: a ``DistributedOptimizer`` (megatron/core/optimizer/distrib_optimizer.py).
+        state: the installed :class:`~loco_megatron.megatron.plugin.LoCoState`.
+    """
+
+    def __init__(self, optimizer, state):
+        self.optimizer, self.state = optimizer, state
+        self.group = optimizer.data_parallel_group
+        self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
+        self.domain = int(getattr(optimizer, "data_parallel_group_idx", 0))
+        self.prefix = f"loco.dp_group_idx_{self.domain}"
+        self.buckets: List[BucketRef] = []
+        if not state.active:
+            return
+        for g, buffer in enumerate(optimizer.buffers):
+            for b, bucket in enumerate(buffer.buckets):
+                if getattr(bucket, "loco_generation", None) != state.generation:
+                    raise RuntimeError(
+                        "LoCo: the model was wrapped in DistributedDataParallel before "
+                        "loco_megatron.install(); its error buffers cannot be checkpointed.")
+                self.buckets.append(BucketRef(
+                    f"gbuf_idx_{g}.bucket_idx_{b}", bucket, bucket.loco_key,
+                    state.layout_for(bucket, self.dp_size), self.dp_rank))
+
+    @property
+    def forms(self) -> List[str]:
+        """Error forms saved: none at DP size 1 (nothing is compressed there)."""
+        return ["exact", "sum"] if self.state.active and self.dp_size > 1 else []
+
+    def meta(self) -> Dict[str, object]:
+        """Plain-Python description of the saved state (same on every DP rank)."""
+        cfg, steps = self.state.config, self.state.compensator.stats.steps
+        return {
+            "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
+            "fingerprint": {"bits": cfg.bits, "block_size": cfg.block_size,
+                            "error_dtype": cfg.error_dtype, "beta": cfg.beta,
+                            "reset_interval": cfg.reset_interval},
+            "buckets": {r.name: {"numel": r.bucket.grad_data.numel(),
+                                 "numel_unpadded": r.numel_unpadded,
+                                 "error_numel": r.error_numel, "params": r.params(),
+                                 "step": int(steps.get(r.key, 0))} for r in self.buckets},
+        }
+
+    def exact(self, ref: BucketRef) -> Dict[str, torch.Tensor]:
+        """This rank's stored error tensors for ``ref`` (live tensors, zeros if never used)."""
+        comp = self.state.compensator
+        buf = comp._buffer(ref.key, ref.error_numel, torch.float32, ref.bucket.grad_data.device)
+        return buf.tensors()
+
+    def summed_shard(self, ref: BucketRef) -> torch.Tensor:
+        """Collective over the DP group: this rank's ``sum_range`` of the DP-summed error, fp32."""
+        layout = ref.layout
+        err = self.state.compensator._buffer(ref.key, ref.error_numel, torch.float32,
+                                             ref.bucket.grad_data.device).get().float()
+        padded = torch.empty(layout.padded_shard, dtype=torch.float32, device=err.device)
+        dist.reduce_scatter_tensor(padded, err, group=self.group)
+        shard = torch.zeros(layout.shard, dtype=torch.float32, device=err.device)
+        layout.from_padded_shard(padded, self.dp_rank, shard)
+        start, stop = ref.sum_range
+        return shard[:stop - start]
+
+    def log(self, level: int, message: str) -> None:
+        """Log once per DP group (on its rank 0)."""
+        if self.dp_rank == 0:
+            logger.log(level, message)
+
+
+def validate_meta(meta, where: str) -> None:
+    """Raise ValueError naming ``where`` when a saved ``meta`` is malformed."""
+    ok = (isinstance(meta, dict) and isinstance(meta.get("fingerprint"), dict)
+          and isinstance(meta.get("buckets"), dict) and isinstance(meta.get("dp_size"), int)
+          and meta["dp_size"] >= 1 and isinstance(meta.get("forms"), list)
+          and all(isinstance(b, dict) and {"numel", "numel_unpadded", "error_numel", "params",
+                                           "step"} <= set(b) for b in meta["buckets"].values()))
+    if not ok:
+        raise ValueError(f"LoCo checkpoint {where}: malformed LoCo metadata (expected version, "
+                         f"forms, dp_size, fingerprint, buckets); the file is corrupted or was "
+                         f"not written by loco_megatron")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"LoCo checkpoint {where}: format version {meta.get('version')} is not "
+                         f"supported (this loco_megatron reads version {FORMAT_VERSION})")
+
+
+def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
+          sums: Optional[dict], source: str) -> List[str]:
+    """Restore ``view``'s error buffers from a checkpoint by the resume policy (DESIGN §4).
+
+    Args:
+        view: the optimizer being loaded.
+        meta: the saved :meth:`OptimizerLoCo.meta`, or None when the checkpoint has no LoCo state.
+        exact: ``{bucket name: entry}`` saved at the same DP size, or None.
+        sums: ``{bucket name: fp32 [len(sum_range)]}`` of this rank's range of the DP-summed
+            error, or None.
+        source: checkpoint file or directory, for messages.
+
+    Returns:
+        the messages logged (warnings for every case other than an exact restore).
+
+    Raises:
+        ValueError: malformed metadata or entries (message names ``source`` and the key).
+    """
+    state, notes = view.state, []
+
+    def note(level, text):
+        notes.append(text)
+        view.log(level, text)
+
+    if not state.active:
+        if meta is not None:
+            note(logging.WARNING, f"LoCo: {source} holds LoCo error buffers but LoCo is off "
+                                  f"(--loco-bits {state.config.bits}); they are ignored")
+        return notes
+    comp = state.compensator
+    if meta is None:
+        for ref in view.buckets:
+            comp.reset_error(ref.key)
+        note(logging.WARNING, f"LoCo: {source} has no LoCo state (saved without LoCo); error "
+                              f"buffers start from zero")
+        return notes
+    validate_meta(meta, source)
+    saved_fp, saved = meta["fingerprint"], meta["buckets"]
+    for ref in view.buckets:  # resets stay on the same optimizer steps
+        comp.stats.steps[ref.key] = int(saved.get(ref.name, {}).get("step", 0))
+    cfg = state.config
+    changed = [k for k in ("bits", "block_size") if saved_fp.get(k) != getattr(cfg, k)]
+    if changed:
+        for ref in view.buckets:
+            comp.reset_error(ref.key)
+        note(logging.WARNING, "LoCo: " + ", ".join(
+            f"{k} changed {saved_fp.get(k)} -> {getattr(cfg, k)}" for k in changed)
+            + f" since {source}; error buffers reset to zero")
+        return notes
+    resharded, unmapped = 0, []
+    for ref in view.buckets:
+        where = f"{source} key {view.prefix}.{ref.name}"
+        entry, reason = saved.get(ref.name), None
+        if entry is None:
+            reason = "not in the checkpoint"
+        elif entry["numel_unpadded"] != ref.numel_unpadded or entry["params"] != ref.params():
+            reason = "its parameters differ (model or --ddp-bucket-size changed)"
+        if reason is None and exact is not None and ref.name in exact:
+            if entry["error_numel"] != ref.error_numel:
+                raise ValueError(f"LoCo checkpoint {where}: exact form at DP size "
+                                 f"{meta['dp_size']} has {entry['error_numel']} elements, the "
+                                 f"layout needs {ref.error_numel}")
+            comp.restore_error(ref.key, exact[ref.name], ref.error_numel,
+                               ref.bucket.grad_data.device, where=where + ".exact")
+        elif reason is None and meta["dp_size"] == 1:
+            comp.reset_error(ref.key)  # nothing was compressed at DP size 1: the error is zero
+        elif reason is None and sums is not None and ref.name in sums:
+            _restore_from_sum(view, ref, sums[ref.name], where)
+            resharded += 1
+        else:
+            comp.reset_error(ref.key)
+            unmapped.append(f"{ref.name} ({reason or 'no usable error form saved'})")
+    if unmapped:
+        note(logging.WARNING, f"LoCo: bucket layout of {source} cannot be mapped for "
+                              f"{', '.join(unmapped)}; those error buffers reset to zero")
+    if resharded:
+        note(logging.WARNING, f"LoCo: DP size changed {meta['dp_size']} -> {view.dp_size}: "
+                              f"{resharded} error buffers resharded from the DP-summed form")
+    if saved_fp.get("error_dtype") != cfg.error_dtype:
+        note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get('error_dtype')} -> "
+                              f"{cfg.error_dtype}; saved errors converted")
+    return notes
+
+
+def _restore_from_sum(view: OptimizerLoCo, ref: BucketRef, values, where: str) -> None:
+    start, stop = ref.sum_range
+    if not isinstance(values, torch.Tensor) or values.numel() != stop - start:
+        raise ValueError(f"LoCo checkpoint {where}.error_sum: expected {stop - start} values "
+                         f"for DP rank {view.dp_rank}, got "
+                         f"{tuple(values.shape) if isinstance(values, torch.Tensor) else values}")
+    device = ref.bucket.grad_data.device
+    shard = torch.zeros(ref.layout.shard, dtype=torch.float32, device=device)
+    shard[:stop - start] = values.to(device, torch.float32)
+    full = torch.zeros(ref.layout.numel, dtype=torch.float32, device=device)
+    full[start:start + ref.layout.shard] = shard
+    view.state.compensator.set_error(ref.key, ref.layout.to_padded(full, torch.float32))
+
+
+def exact_entries(view: OptimizerLoCo) -> Dict[str, Dict[str, torch.Tensor]]:
+    """``{bucket name: {field: tensor}}`` of this rank's exact error buffers."""
+    return {ref.name: view.exact(ref) for ref in view.buckets}

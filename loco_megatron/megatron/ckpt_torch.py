@@ -1,0 +1,124 @@
+"""LoCo state in megatron's plain ``torch`` checkpoint format (``--ckpt-format torch``).
+
+megatron-core saves the distributed optimizer's parameter state with
+``DistributedOptimizer.save_parameter_state(filename)`` (one ``distrib_optim.pt`` per TP/PP
+rank, gathered on DP rank 0; megatron/core/optimizer/distrib_optimizer.py). LoCo's error buffers
+are per DP rank and as large as a bf16 model / 2, so instead of gathering them every rank
+writes its own file next to it::
+
+    <iter dir>/mp_rank_XX[_YYY]/loco_state_<optimizer index>_dp<DP rank>.pt
+        {"meta": ..., "exact": {bucket: {codes, scales} | {values}},
+         "sum": {bucket: {"start": int, "values": fp32}}}
+
+(see :mod:`loco_megatron.megatron.ckpt_state` for the fields). Files are written to a temporary
+name and renamed, so a failed save never leaves a half-written file under the final name, and
+megatron only points ``latest_checkpointed_iteration.txt`` at an iteration after every rank's
+save returned. On load, a rank reads its own file (same DP size) or the files whose shards of
+the summed error overlap its new shard (DP size changed), memory-mapped.
+"""
+
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from .ckpt_state import OptimizerLoCo, apply, exact_entries, validate_meta
+
+
+def sidecar_path(filename: str, index: int, dp_rank: int) -> str:
+    """Path of DP rank ``dp_rank``'s LoCo file next to megatron's ``distrib_optim.pt``."""
+    return os.path.join(os.path.dirname(filename), f"loco_state_{index}_dp{dp_rank:03d}.pt")
+
+
+def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
+    """Write this rank's LoCo file (collective over the DP group). Returns its path, or None
+    when LoCo is off."""
+    if not view.state.active:
+        return None
+    meta = view.meta()
+    exact, sums = {}, {}
+    if "exact" in meta["forms"]:
+        exact = {name: {k: t.detach().cpu().clone() for k, t in fields.items()}
+                 for name, fields in exact_entries(view).items()}
+        for ref in view.buckets:
+            sums[ref.name] = {"start": ref.sum_range[0],
+                              "values": view.summed_shard(ref).detach().cpu().clone()}
+    path = sidecar_path(filename, index, view.dp_rank)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        torch.save({"meta": meta, "exact": exact, "sum": sums}, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
+
+
+def _read(path: str) -> Dict[str, object]:
+    try:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # truncated / not a torch file
+        raise ValueError(f"LoCo checkpoint file {path} cannot be read ({type(e).__name__}: "
+                         f"{e}); it is truncated or corrupted. Restore it, or delete every "
+                         f"loco_state_*.pt of this iteration to resume with zero error buffers.") from e
+    if not isinstance(state, dict) or not {"meta", "exact", "sum"} <= set(state):
+        raise ValueError(f"LoCo checkpoint file {path}: expected keys meta, exact, sum; got "
+                         f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
+    validate_meta(state["meta"], path)
+    return state
+
+
+def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
+    """Restore this rank's error buffers from the LoCo files next to ``filename`` by the resume
+    policy (:func:`loco_megatron.megatron.ckpt_state.apply`). Returns the messages logged.
+
+    Raises:
+        ValueError: a truncated or malformed file (naming the file and key), or a missing file
+            of a rank whose summed-error shard is needed.
+    """
+    own = sidecar_path(filename, index, view.dp_rank)
+    first = sidecar_path(filename, index, 0)
+    source = os.path.dirname(filename)
+    if not os.path.exists(first):
+        return apply(view, None, None, None, source)
+    if not view.state.active:
+        return apply(view, {"observed": True}, None, None, source)
+    state = _read(own if os.path.exists(own) else first)
+    meta = state["meta"]
+    if meta["dp_size"] == view.dp_size:
+        if not os.path.exists(own):
+            raise ValueError(f"LoCo checkpoint file {own} is missing (saved at DP size "
+                             f"{meta['dp_size']}, every rank wrote one)")
+        return apply(view, meta, state["exact"], None, own)
+    sums = _gather_sums(view, meta, filename, index) if "sum" in meta["forms"] else None
+    return apply(view, meta, None, sums, source)
+
+
+def _gather_sums(view: OptimizerLoCo, meta: dict, filename: str, index: int):
+    """This rank's range of the summed error, read from the old ranks' files."""
+    old_dp, files, sums = meta["dp_size"], {}, {}
+    for ref in view.buckets:
+        saved = meta["buckets"].get(ref.name)
+        if saved is None or saved["numel_unpadded"] != ref.numel_unpadded:
+            continue
+        start, stop = ref.sum_range
+        old_shard = saved["numel"] // old_dp
+        out = torch.zeros(stop - start, dtype=torch.float32)
+        for q in range(start // old_shard, min(old_dp, -(-stop // old_shard))) if stop > start else ():
+            path = sidecar_path(filename, index, q)
+            if path not in files:
+                if not os.path.exists(path):
+                    raise ValueError(f"LoCo checkpoint file {path} is missing: the checkpoint "
+                                     f"was saved at DP size {old_dp} and rank {q}'s shard of "
+                                     f"the summed error is needed")
+                files[path] = _read(path)
+            entry = files[path]["sum"].get(ref.name)
+            where = f"{path} key {ref.name}.sum"
+            if not isinstance(entry, dict) or not isinstance(entry.get("values"), torch.Tensor):
+                raise ValueError(f"LoCo checkpoint {where}: missing or malformed")
+            s0, vals = int(entry["start"]), entry["values"]
+            lo, hi = max(start, s0), min(stop, s0 + vals.numel())
+            if lo < hi:
+                out[lo - start:hi - start] = vals[lo - s0:hi - s0].float()
+        sums[ref.name] = out
+    return sums

@@ -1,0 +1,172 @@
+"""LoCo error buffers through megatron-core checkpoints (torch and torch_dist), DESIGN §4.
+
+Every phase runs in new processes (tests/ckpt_worker.py): straight 2N steps vs N steps, save,
+new processes, load, N more; DP-size changes 4 -> 2 and 2 -> 4; the resume policy's warnings;
+corrupted files. The reset interval (3) falls inside the resumed half.
+"""
+
+import glob
+import os
+import shutil
+
+import pytest
+import torch
+
+from tests.ckpt_worker import ckpt_worker
+from tests.multiproc import run_ranks
+
+N = 3
+LOCO4 = dict(bits=4, block_size=64, reset_interval=3)
+FORMATS = ["torch", "torch_dist"]
+
+
+def _save_jobs(d, config=LOCO4):
+    return [{"phase": "straight", "config": config, "steps": 2 * N},
+            {"phase": "save", "config": config, "steps": N, "formats": FORMATS, "dir": d}]
+
+
+def _load(d, fmt, config=LOCO4, steps=N):
+    return {"phase": "load", "config": config, "steps": steps, "format": fmt,
+            "dir": os.path.join(d, fmt)}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """TP1xDP2 checkpoints: LoCo 4-bit (int8 errors), without LoCo, and the straight runs."""
+    root = tmp_path_factory.mktemp("ckpt")
+    dp2, plain = str(root / "dp2"), str(root / "plain")
+    results = run_ranks(ckpt_worker, 2, 1, _save_jobs(dp2) + [
+        {"phase": "save", "config": {"bits": 16}, "steps": N, "formats": FORMATS, "dir": plain}])
+    return {"root": root, "dp2": dp2, "plain": plain, "results": results}
+
+
+def _assert_resumed_exactly(straight, first, second):
+    assert first["losses"] + second["losses"] == straight["losses"]
+    for name, p in straight["params"].items():
+        assert torch.equal(p, second["params"][name]), name
+    assert straight["errors"].keys() == second["errors"].keys() and straight["errors"]
+    for key, fields in straight["errors"].items():
+        for f in ("codes", "scales"):
+            assert torch.equal(fields[f], second["errors"][key][f]), (key, f)
+        assert torch.equal(first["errors"][key]["codes"], second["errors_after_load"][key]["codes"])
+    assert second["steps"] == straight["steps"]
+    assert first["resets"] + second["resets"] == straight["resets"] > 0  # reset at step 3
+    assert second["logs"] == []  # exact restore: no warning
+
+
+def test_resume_bit_identical_tp1_dp2(saved):
+    loads = run_ranks(ckpt_worker, 2, 1, [_load(saved["dp2"], f) for f in FORMATS])
+    for rank in range(2):
+        straight, first, _ = saved["results"][rank]
+        for i, _fmt in enumerate(FORMATS):
+            _assert_resumed_exactly(straight, first, loads[rank][i])
+
+
+def test_resume_bit_identical_tp2_dp2(tmp_path):
+    d = str(tmp_path)
+    saves = run_ranks(ckpt_worker, 4, 2, _save_jobs(d))
+    loads = run_ranks(ckpt_worker, 4, 2, [_load(d, f) for f in FORMATS])
+    for rank in range(4):
+        for i, _fmt in enumerate(FORMATS):
+            _assert_resumed_exactly(saves[rank][0], saves[rank][1], loads[rank][i])
+
+
+def _compare_sums(before, after, tol):
+    """DP-sums are in each run's bucket space; the padding at the end differs with DP size."""
+    assert before.keys() == after.keys() and before
+    for key in before:
+        a, b = before[key], after[key]
+        n = min(a.numel(), b.numel())
+        assert not a[n:].any() and not b[n:].any()
+        scale = float(a.abs().max())
+        assert float((a[:n] - b[:n]).abs().max()) <= tol * scale, key
+
+
+def test_dp_size_change_4_to_2_keeps_summed_error(saved):
+    """fp32 error storage: the summed error survives up to one fp32 rounding of the sum."""
+    fp32 = dict(LOCO4, error_dtype="fp32")
+    d = str(saved["root"] / "dp4")
+    saves = run_ranks(ckpt_worker, 4, 1, [
+        {"phase": "save", "config": fp32, "steps": N, "formats": FORMATS, "dir": d}])
+    loads = run_ranks(ckpt_worker, 2, 1, [_load(d, f, fp32, steps=2) for f in FORMATS])
+    before = saves[0][0]["sum_before_save"]
+    for i, fmt in enumerate(FORMATS):
+        _compare_sums(before, loads[0][i]["sum_after_load"], tol=1e-6)
+        logs = [line for r in range(2) for line in loads[r][i]["logs"]]
+        assert len(logs) == 1 and "DP size changed 4 -> 2" in logs[0], (fmt, logs)
+        assert all(torch.isfinite(torch.tensor(loads[r][i]["losses"])).all() for r in range(2))
+
+
+def test_dp_size_change_2_to_4_keeps_summed_error(saved):
+    """int8 error storage: the restored sum is re-stored in int8 (half a step of absmax/127)."""
+    loads = run_ranks(ckpt_worker, 4, 1, [_load(saved["dp2"], f, steps=2) for f in FORMATS])
+    before = saved["results"][0][1]["sum_before_save"]
+    for i, fmt in enumerate(FORMATS):
+        _compare_sums(before, loads[0][i]["sum_after_load"], tol=0.5 / 127 * 1.001)
+        logs = [line for r in range(4) for line in loads[r][i]["logs"]]
+        assert len(logs) == 1 and "DP size changed 2 -> 4" in logs[0], (fmt, logs)
+        assert len(loads[0][i]["losses"]) == 2
+
+
+def test_resume_policy_warnings(saved):
+    jobs, expect = [], []
+    for fmt in FORMATS:
+        jobs += [_load(saved["plain"], fmt, steps=1), _load(saved["dp2"], fmt, {"bits": 16}, 1),
+                 _load(saved["dp2"], fmt, dict(LOCO4, bits=8), 1),
+                 _load(saved["dp2"], fmt, dict(LOCO4, block_size=128), 1)]
+        expect += ["has no LoCo state (saved without LoCo); error buffers start from zero",
+                   "holds LoCo error buffers but LoCo is off (--loco-bits 16); they are ignored",
+                   "bits changed 4 -> 8", "block_size changed 64 -> 128"]
+    results = run_ranks(ckpt_worker, 2, 1, jobs)
+    for job, text, r0, r1 in zip(jobs, expect, results[0], results[1]):
+        assert "error" not in r0, r0.get("error")
+        assert len(r0["logs"]) == 1 and text in r0["logs"][0], (job, r0["logs"])
+        assert r1["logs"] == []  # logged once, on DP rank 0
+        assert len(r0["losses"]) == 1
+    straight = saved["results"][0][0]
+    assert results[0][1]["errors"] == {}  # LoCo off: nothing compressed after the load
+    assert results[0][0]["steps"] == {k: 1 for k in straight["steps"]}  # no LoCo state: from 0
+
+
+def _corrupt(saved, tmp_path, fmt, how):
+    d = tmp_path / fmt
+    shutil.copytree(os.path.join(saved["dp2"], fmt), d)
+    how(str(d))
+    return run_ranks(ckpt_worker, 2, 1, [{"phase": "load", "config": LOCO4, "steps": 1,
+                                          "format": fmt, "dir": str(d)}])
+
+
+def _truncate(pattern):
+    def how(d):
+        for path in glob.glob(os.path.join(d, pattern), recursive=True):
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+    return how
+
+
+def _retype_codes(d):
+    for path in glob.glob(os.path.join(d, "**", "loco_state_*.pt"), recursive=True):
+        state = torch.load(path, weights_only=True)
+        entry = state["exact"]["gbuf_idx_0.bucket_idx_0"]
+        entry["codes"] = entry["codes"].float()
+        torch.save(state, path)
+
+
+def test_truncated_torch_file_is_a_clear_error(saved, tmp_path):
+    results = _corrupt(saved, tmp_path, "torch", _truncate("**/loco_state_*.pt"))
+    for r, res in enumerate(results):
+        msg = res[0]["error"]
+        assert f"loco_state_0_dp00{r}.pt cannot be read" in msg and "truncated" in msg, msg
+
+
+def test_corrupted_torch_entry_names_file_and_key(saved, tmp_path):
+    results = _corrupt(saved, tmp_path, "torch", _retype_codes)
+    for r, res in enumerate(results):
+        msg = res[0]["error"]
+        assert f"loco_state_0_dp00{r}.pt key loco.dp_group_idx_0.gbuf_idx_0.bucket_idx_0.exact" \
+               ".codes: expected" in msg and "torch.float32" in msg, msg
+
+
+def test_truncated_torch_dist_checkpoint_fails_loudly(saved, tmp_path):
+    results = _corrupt(saved, tmp_path, "torch_dist", _truncate("*.distcp"))
+    assert all("error" in res[0] for res in results), [res[0].keys() for res in results]
