@@ -104,7 +104,9 @@ def _dp_group():
 def _run_job(job, records):
     import loco_megatron
 
-    state = loco_megatron.install(loco_megatron.LoCoConfig(**job["config"]))
+    state = None  # config None: stock megatron-core, loco_megatron not installed
+    if job["config"] is not None:
+        state = loco_megatron.install(loco_megatron.LoCoConfig(**job["config"]))
     try:
         model, opt = build_gpt(overlap=False, dropout=0.0)
         out = {}
@@ -116,20 +118,20 @@ def _run_job(job, records):
                     raise
                 return {"error": f"{type(e).__name__}: {e}",
                         "logs": [r for r in records if r.startswith("LoCo")]}
-            out["sum_after_load"] = dp_sum(state) if state.active else {}
+            out["sum_after_load"] = dp_sum(state) if state and state.active else {}
             out["errors_after_load"] = errors(state)
         losses = []
         for _ in range(job["steps"]):
             losses.append(float(forward_backward(model, opt)))
             opt.step()
         if job["phase"] == "save":
-            out["sum_before_save"] = dp_sum(state) if state.active else {}
+            out["sum_before_save"] = dp_sum(state) if state and state.active else {}
             for fmt in job["formats"]:
                 save(model, opt, fmt, os.path.join(job["dir"], fmt))
         out.update(losses=losses, errors=errors(state),
                    params={n: p.detach().cpu().clone() for n, p in model.module.named_parameters()},
-                   steps=dict(state.compensator.stats.steps) if state.active else {},
-                   resets=state.compensator.stats.resets if state.active else 0,
+                   steps=dict(state.compensator.stats.steps) if state and state.active else {},
+                   resets=state.compensator.stats.resets if state and state.active else 0,
                    logs=[r for r in records if r.startswith("LoCo")])
         return out
     finally:

@@ -117,7 +117,9 @@ def test_resume_policy_warnings(saved):
         expect += ["has no LoCo state (saved without LoCo); error buffers start from zero",
                    "holds LoCo error buffers but LoCo is off (--loco-bits 16); they are ignored",
                    "bits changed 4 -> 8", "block_size changed 64 -> 128"]
-    results = run_ranks(ckpt_worker, 2, 1, jobs)
+    results = run_ranks(ckpt_worker, 2, 1, jobs + [_load(saved["dp2"], f, None, 1) for f in FORMATS])
+    for r0 in results[0][len(jobs):]:  # stock megatron-core (no loco_megatron) loads them too
+        assert "error" not in r0 and len(r0["losses"]) == 1 and r0["logs"] == []
     for job, text, r0, r1 in zip(jobs, expect, results[0], results[1]):
         assert "error" not in r0, r0.get("error")
         assert len(r0["logs"]) == 1 and text in r0["logs"][0], (job, r0["logs"])
@@ -170,3 +172,26 @@ def test_corrupted_torch_entry_names_file_and_key(saved, tmp_path):
 def test_truncated_torch_dist_checkpoint_fails_loudly(saved, tmp_path):
     results = _corrupt(saved, tmp_path, "torch_dist", _truncate("*.distcp"))
     assert all("error" in res[0] for res in results), [res[0].keys() for res in results]
+
+
+def test_documented_error_state_bytes_match_the_saved_files(saved):
+    """telemetry.error_state_bytes == tensor bytes in DP rank 0's torch-format LoCo file."""
+    from loco_megatron.config import LoCoConfig
+    from loco_megatron.layout import BucketLayout
+    from loco_megatron.megatron.telemetry import error_state_bytes
+
+    path = glob.glob(os.path.join(saved["dp2"], "torch", "*", "loco_state_0_dp000.pt"))[0]
+    state = torch.load(path, weights_only=True)
+    meta = state["meta"]
+    layouts = [BucketLayout.build(b["numel"], meta["dp_size"], LOCO4["block_size"],
+                                  {i for r in b["params"] for i in r})
+               for b in meta["buckets"].values()]
+    assert [lay.world * lay.padded_shard for lay in layouts] == [
+        b["error_numel"] for b in meta["buckets"].values()]
+    tensors = [t for e in state["exact"].values() for t in e.values()] + [
+        s["values"] for s in state["sum"].values()]
+    on_disk = sum(t.numel() * t.element_size() for t in tensors)
+    memory, disk = error_state_bytes(LoCoConfig(**LOCO4), layouts)
+    assert disk == on_disk
+    assert memory == sum(t.numel() * t.element_size() for e in state["exact"].values()
+                         for t in e.values())

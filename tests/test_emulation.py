@@ -49,31 +49,40 @@ def _rng_tracker(rank, world):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
+    F = torch.nn.functional
     ps.initialize_model_parallel(1)
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(7)
-    outside_before = torch.get_rng_state()
+    host_before = torch.get_rng_state()
     with get_cuda_rng_tracker().fork():
-        a = torch.rand(4)
-    restored = torch.equal(outside_before, torch.get_rng_state())
+        a = torch.rand(4, device="cuda")
     with get_cuda_rng_tracker().fork():
-        b = torch.rand(4)  # continues the tracker's stream
+        b = torch.rand(4, device="cuda")  # continues the tracker's stream
+    host_untouched = torch.equal(host_before, torch.get_rng_state())
     model_parallel_cuda_manual_seed(7)
     with get_cuda_rng_tracker().fork():
-        a2 = torch.rand(4)  # same seed, same stream
+        a2 = torch.rand(4, device="cuda")  # same seed, same stream
+    ones = torch.ones(256)
     torch.cuda.manual_seed(3)
-    x = torch.rand(2)
+    m1 = F.dropout(ones, 0.5)
     torch.cuda.manual_seed(3)
-    y = torch.rand(2)
-    return {"restored": restored, "a": a, "b": b, "a2": a2, "x": x, "y": y}
+    torch.rand(10)  # a host draw (e.g. a DataLoader's worker seed) between seed and dropout
+    m2 = F.dropout(ones, 0.5)
+    saved = torch.cuda.get_rng_state()
+    m3 = F.dropout(ones, 0.5)
+    torch.cuda.set_rng_state(saved)  # as a checkpoint restores it
+    m4 = F.dropout(ones, 0.5)
+    return {"host_untouched": host_untouched, "a": a, "b": b, "a2": a2, "m1": m1, "m2": m2,
+            "m3": m3, "m4": m4}
 
 
-def test_rng_tracker_forks_the_generator_cpu_ops_use():
+def test_emulated_cuda_rng_is_its_own_generator():
     r = run_ranks(_rng_tracker, 1)[0]
-    assert r["restored"]  # fork() leaves the outside stream untouched
+    assert r["host_untouched"]  # device draws inside fork() leave the host stream alone
     assert not torch.equal(r["a"], r["b"])  # the tracker state advanced inside fork
     assert torch.equal(r["a"], r["a2"])  # reseeding reproduces the stream
-    assert torch.equal(r["x"], r["y"])  # torch.cuda.manual_seed drives CPU random ops
+    assert torch.equal(r["m1"], r["m2"])  # host draws do not shift dropout masks
+    assert not torch.equal(r["m2"], r["m3"]) and torch.equal(r["m3"], r["m4"])  # state restore
 
 
 def test_refuses_to_activate_on_a_gpu_machine(monkeypatch):

@@ -35,6 +35,27 @@ def test_full_precision_patches_nothing(bits):
     assert (ddp.__init__, group.start_grad_sync) == before
 
 
+def test_checkpoint_hooks_installed_and_restored_for_every_setting():
+    from megatron.core import dist_checkpointing
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    names = ("sharded_state_dict", "load_state_dict", "save_parameter_state",
+             "load_parameter_state")
+
+    def current():
+        return ([getattr(DistributedOptimizer, n) for n in names]
+                + [ChainedOptimizer.save_parameter_state, ChainedOptimizer.load_parameter_state,
+                   dist_checkpointing.load])
+
+    before = current()
+    for bits in (4, 16):
+        loco_megatron.install(LoCoConfig(bits=bits))
+        assert all(a is not b for a, b in zip(current(), before))
+        loco_megatron.uninstall()
+        assert current() == before
+
+
 def test_double_install_is_an_error():
     loco_megatron.install(LoCoConfig(bits=4))
     with pytest.raises(RuntimeError, match="already installed"):

@@ -7,10 +7,13 @@ places. :func:`activate` makes those work on CPU:
 * a ``TorchFunctionMode`` maps cuda devices to cpu in factory calls and ``.to()``, makes
   ``.cuda()`` a no-op, reports ``is_cuda`` True and ``torch.cuda.*Tensor`` type names;
 * ``torch.cuda`` queries, streams, events and memory statistics get CPU stand-ins;
-* the "CUDA" RNG is the CPU default generator, so megatron's RNG tracker (``fork()`` for
-  tensor-parallel dropout and initialisation) switches the generator that CPU ops really use;
-  megatron's "CPU RNG state changed within GPU RNG context" warning, whose premise (two separate
-  generators) does not hold here, is filtered;
+* the "CUDA" RNG is a generator of its own (:data:`CUDA_GENERATOR`), as on a GPU: the device's
+  random ops (dropout, bernoulli, in-place ``normal_``/``uniform_`` fills, factories asked for a
+  cuda device) draw from it, so megatron's RNG tracker (``fork()`` for tensor-parallel dropout
+  and initialisation) and checkpointed RNG states behave as on a GPU, and host-side draws (the
+  DataLoader's worker seeds, CPU initialisation) do not shift the dropout masks: a resumed run
+  draws the same masks as an uninterrupted one. Megatron's "CPU RNG state changed within GPU
+  RNG context" warning is filtered (every op runs on the CPU here);
 * DataLoader ``pin_memory`` is turned off and ``torch.accelerator`` reports no accelerator
   (the index build of torch is a CUDA build and would ask for the missing driver).
 
@@ -37,6 +40,32 @@ _TYPE_NAMES = {
     "torch.BoolTensor": "torch.cuda.BoolTensor",
 }
 _CPU = torch.device("cpu")
+
+#: the emulated device's random generator (``torch.cuda.get_rng_state`` & co. act on it)
+CUDA_GENERATOR = torch.Generator()
+_F = torch.nn.functional
+_DEVICE_RANDOM_OPS = {
+    _F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout,
+    _F.feature_alpha_dropout, torch.dropout, torch.bernoulli, torch.Tensor.bernoulli_,
+    torch.Tensor.normal_, torch.Tensor.uniform_,
+}
+_RANDOM_FACTORIES = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal,
+                     torch.rand_like, torch.randn_like, torch.randint_like}
+
+
+def _is_cuda_device(d) -> bool:
+    return to_cpu_device(d) is _CPU and d is not _CPU and not (isinstance(d, str) and d == "cpu")
+
+
+def _on_device_generator(func, *args, **kwargs):
+    """Run a random op with the CPU default generator holding the emulated CUDA state."""
+    host = torch.default_generator.get_state()
+    torch.default_generator.set_state(CUDA_GENERATOR.get_state())
+    try:
+        return func(*args, **kwargs)
+    finally:
+        CUDA_GENERATOR.set_state(torch.default_generator.get_state())
+        torch.default_generator.set_state(host)
 _IS_CUDA = torch.Tensor.is_cuda  # the getset descriptor (``__get__`` wrappers are new per access)
 
 
@@ -61,8 +90,13 @@ class CpuAsCudaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        device_random = func in _DEVICE_RANDOM_OPS and kwargs.get("generator") is None
         if "device" in kwargs:
+            device_random = device_random or (func in _RANDOM_FACTORIES and kwargs.get(
+                "generator") is None and _is_cuda_device(kwargs["device"]))
             kwargs["device"] = to_cpu_device(kwargs["device"])
+        if device_random:
+            return _on_device_generator(func, *args, **kwargs)
         if func is torch.Tensor.cuda:
             return args[0]
         if getattr(func, "__self__", None) is _IS_CUDA:  # the is_cuda property getter
@@ -160,11 +194,11 @@ def activate() -> None:
         "current_stream": lambda *a, **k: _Stream(),
         "default_stream": lambda *a, **k: _Stream(),
         "stream": lambda s=None: contextlib.nullcontext(),
-        "manual_seed": lambda seed: torch.default_generator.manual_seed(int(seed)),
-        "manual_seed_all": lambda seed: None,  # torch.manual_seed calls it after seeding the CPU
-        "get_rng_state": lambda device="cuda": torch.get_rng_state(),
-        "set_rng_state": lambda new_state, device="cuda": torch.set_rng_state(new_state),
-        "default_generators": (torch.default_generator,),
+        "manual_seed": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
+        "manual_seed_all": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
+        "get_rng_state": lambda device="cuda": CUDA_GENERATOR.get_state(),
+        "set_rng_state": lambda new_state, device="cuda": CUDA_GENERATOR.set_state(new_state),
+        "default_generators": (CUDA_GENERATOR,),
         "_lazy_call": lambda callable, **kwargs: callable(),
         "memory_allocated": lambda *a, **k: 0,
         "max_memory_allocated": lambda *a, **k: 0,

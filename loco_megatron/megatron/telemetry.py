@@ -36,6 +36,24 @@ def expected_bytes_per_step(config: LoCoConfig,
     return loco, stock
 
 
+def error_state_bytes(config: LoCoConfig, layouts: List[BucketLayout]) -> Tuple[int, int]:
+    """Bytes of one rank's LoCo error state: ``(in memory, per checkpoint on disk)``.
+
+    In memory each bucket keeps its error in the padded wire layout
+    (``world * padded_shard`` elements): int8 storage 1 byte per element + one fp32 scale per
+    ``block_size`` elements, fp32 storage 4 bytes per element. A checkpoint holds that (the exact
+    form) plus the rank's fp32 shard of the DP-summed error, 4 bytes x ``shard`` (the last ranks'
+    shards can be shorter by the bucket's end padding, so this is exact for DP rank 0 and an upper
+    bound for the others). Pickle framing of the ``torch`` format is not counted.
+    """
+    memory = disk = 0
+    for lay in layouts:
+        n = lay.world * lay.padded_shard
+        memory += n + 4 * (n // lay.block_size) if config.error_dtype == "int8" else 4 * n
+        disk += 4 * lay.shard if lay.world > 1 else 0
+    return memory, memory + disk
+
+
 def log_chunk_layout(chunk: int, config: LoCoConfig,
                      buckets: List[Tuple[BucketLayout, int]]) -> None:
     """One line per model chunk: buckets, elements, expected wire bytes per step vs stock."""
@@ -49,6 +67,11 @@ def log_chunk_layout(chunk: int, config: LoCoConfig,
     _print_rank_0(
         f"> LoCo: model chunk {chunk}: {len(buckets)} buckets, {numel} gradient elements, "
         f"{loco} bytes/step per rank on the wire vs {stock} stock ({ratio:.3f}x)")
+    memory, disk = error_state_bytes(config, [lay for lay, _ in buckets])
+    _print_rank_0(
+        f"> LoCo: model chunk {chunk}: error state {memory} bytes per rank in memory "
+        f"({memory / numel:.3f} B/element), <= {disk} bytes per rank per checkpoint "
+        f"({disk / numel:.3f} B/element)")
     padded = sum(lay.world * lay.padded_shard for lay, _ in buckets)
     if padded > 1.5 * numel:
         _print_rank_0(
