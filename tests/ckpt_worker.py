@@ -111,12 +111,17 @@ def _run_job(job, records):
         model, opt = build_gpt(overlap=False, dropout=0.0)
         out = {}
         if job["phase"] == "load":
+            error = None
             try:
                 load(model, opt, job["format"], job["dir"])
             except BaseException as e:  # torch DCP raises CheckpointException(BaseException)
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
-                return {"error": f"{type(e).__name__}: {e}",
+                error = f"{type(e).__name__}: {e}"
+            failed = torch.tensor([error is not None], dtype=torch.int32)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # no rank trains on if one failed
+            if failed.item():
+                return {"error": error or "another rank failed to load",
                         "logs": [r for r in records if r.startswith("LoCo")]}
             out["sum_after_load"] = dp_sum(state) if state and state.active else {}
             out["errors_after_load"] = errors(state)

@@ -156,9 +156,23 @@ def _retype_codes(d):
 
 def test_truncated_torch_file_is_a_clear_error(saved, tmp_path):
     results = _corrupt(saved, tmp_path, "torch", _truncate("**/loco_state_*.pt"))
-    for r, res in enumerate(results):
+    for res in results:  # DP rank 0's file is read first, for the metadata
         msg = res[0]["error"]
-        assert f"loco_state_0_dp00{r}.pt cannot be read" in msg and "truncated" in msg, msg
+        assert "loco_state_0_dp000.pt cannot be read" in msg and "truncated" in msg, msg
+
+
+def test_stale_rank_file_is_refused(saved, tmp_path):
+    """A file left by another save (other step counters) in the directory is not loaded."""
+    def stale(d):
+        path = glob.glob(os.path.join(d, "*", "loco_state_0_dp001.pt"))[0]
+        state = torch.load(path, weights_only=True)
+        for b in state["meta"]["buckets"].values():
+            b["step"] += 1
+        torch.save(state, path)
+
+    results = _corrupt(saved, tmp_path, "torch", stale)
+    msg = results[1][0]["error"]
+    assert "loco_state_0_dp001.pt does not belong to the same save" in msg, msg
 
 
 def test_corrupted_torch_entry_names_file_and_key(saved, tmp_path):

@@ -54,7 +54,9 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
     return path
 
 
-def _read(path: str) -> Dict[str, object]:
+def _read(path: str, expected_meta: Optional[dict] = None) -> Dict[str, object]:
+    """Load a LoCo file (memory-mapped); with ``expected_meta``, check that it belongs to the
+    same save as DP rank 0's file."""
     try:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # truncated / not a torch file
@@ -65,6 +67,11 @@ def _read(path: str) -> Dict[str, object]:
         raise ValueError(f"LoCo checkpoint file {path}: expected keys meta, exact, sum; got "
                          f"{sorted(state) if isinstance(state, dict) else type(state).__name__}")
     validate_meta(state["meta"], path)
+    if expected_meta is not None and state["meta"] != expected_meta:
+        raise ValueError(f"LoCo checkpoint file {path} does not belong to the same save as "
+                         f"DP rank 0's file (DP size {state['meta']['dp_size']} vs "
+                         f"{expected_meta['dp_size']}, or other step counters/layout): a stale "
+                         f"file from an earlier save into this directory?")
     return state
 
 
@@ -83,13 +90,12 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
         return apply(view, None, None, None, source)
     if not view.state.active:
         return apply(view, {"observed": True}, None, None, source)
-    state = _read(own if os.path.exists(own) else first)
-    meta = state["meta"]
+    meta = _read(first)["meta"]
     if meta["dp_size"] == view.dp_size:
         if not os.path.exists(own):
             raise ValueError(f"LoCo checkpoint file {own} is missing (saved at DP size "
                              f"{meta['dp_size']}, every rank wrote one)")
-        return apply(view, meta, state["exact"], None, own)
+        return apply(view, meta, _read(own, meta)["exact"], None, own)
     sums = _gather_sums(view, meta, filename, index) if "sum" in meta["forms"] else None
     return apply(view, meta, None, sums, source)
 
@@ -111,7 +117,7 @@ def _gather_sums(view: OptimizerLoCo, meta: dict, filename: str, index: int):
                     raise ValueError(f"LoCo checkpoint file {path} is missing: the checkpoint "
                                      f"was saved at DP size {old_dp} and rank {q}'s shard of "
                                      f"the summed error is needed")
-                files[path] = _read(path)
+                files[path] = _read(path, meta)
             entry = files[path]["sum"].get(ref.name)
             where = f"{path} key {ref.name}.sum"
             if not isinstance(entry, dict) or not isinstance(entry.get("values"), torch.Tensor):
