@@ -108,7 +108,7 @@ def _run_job(job, records):
     if job["config"] is not None:
         state = loco_megatron.install(loco_megatron.LoCoConfig(**job["config"]))
     try:
-        model, opt = build_gpt(overlap=False, dropout=0.0)
+        model, opt = build_gpt(overlap=False, dropout=0.0, **job.get("ddp", {}))
         out = {}
         if job["phase"] == "load":
             error = None

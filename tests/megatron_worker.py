@@ -67,7 +67,7 @@ class ShardChecker:
         return worst
 
 
-def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1):
+def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, **ddp_kwargs):
     """A seeded 2-layer GPTModel wrapped in megatron-core DDP, and its distributed Adam."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -87,7 +87,7 @@ def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1):
                    vocab_size=VOCAB, max_sequence_length=SEQ)
     ddp_cfg = DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=overlap, grad_reduce_in_fp32=True,
-        bucket_size=bucket_size)
+        bucket_size=bucket_size, **ddp_kwargs)
     model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True), [model])

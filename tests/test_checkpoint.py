@@ -130,6 +130,47 @@ def test_resume_policy_warnings(saved):
     assert results[0][0]["steps"] == {k: 1 for k in straight["steps"]}  # no LoCo state: from 0
 
 
+def test_padding_change_at_same_dp_size_uses_the_summed_form(saved):
+    """--ddp-pad-buckets-for-high-nccl-busbw pads buckets differently: the exact form no longer
+    fits, the summed form does."""
+    pad = {"pad_buckets_for_high_nccl_busbw": True}
+    jobs = [dict(_load(saved["dp2"], f, steps=1), ddp=pad) for f in FORMATS]
+    results = run_ranks(ckpt_worker, 2, 1, jobs)
+    before = saved["results"][0][1]["sum_before_save"]
+    for i in range(len(FORMATS)):
+        r0 = results[0][i]
+        assert "error" not in r0, r0.get("error")
+        assert len(r0["logs"]) == 1 and "bucket padding changed at DP size 2" in r0["logs"][0]
+        _compare_sums(before, r0["sum_after_load"], tol=0.5 / 127 * 1.001)
+
+
+def test_dp_size_1_drops_the_error_and_says_so(saved):
+    results = run_ranks(ckpt_worker, 1, 1, [_load(saved["dp2"], f, steps=1) for f in FORMATS])
+    for r in results[0]:
+        assert len(r["logs"]) == 1 and "DP size changed 2 -> 1" in r["logs"][0], r["logs"]
+        assert "saved error buffers are dropped" in r["logs"][0]
+
+
+def test_loco_off_save_removes_stale_loco_files(tmp_path):
+    """Saving again into the same directory with LoCo off leaves no LoCo file to misload."""
+    d = str(tmp_path)
+    results = run_ranks(ckpt_worker, 2, 1, [
+        {"phase": "save", "config": LOCO4, "steps": 1, "formats": ["torch"], "dir": d},
+        {"phase": "save", "config": {"bits": 16}, "steps": 1, "formats": ["torch"], "dir": d},
+        _load(d, "torch", steps=1)])
+    assert not glob.glob(os.path.join(d, "torch", "*", "loco_state_*"))
+    assert "has no LoCo state" in results[0][2]["logs"][0]
+
+
+def test_missing_rank_0_file_is_a_clear_error(saved, tmp_path):
+    def drop_rank0(d):
+        os.remove(glob.glob(os.path.join(d, "*", "loco_state_0_dp000.pt"))[0])
+
+    results = _corrupt(saved, tmp_path, "torch", drop_rank0)
+    msg = results[0][0]["error"]
+    assert "loco_state_0_dp000.pt (DP rank 0's, with the metadata) is missing" in msg, msg
+
+
 def _corrupt(saved, tmp_path, fmt, how):
     d = tmp_path / fmt
     shutil.copytree(os.path.join(saved["dp2"], fmt), d)

@@ -93,3 +93,26 @@ def test_refuses_to_activate_on_a_gpu_machine(monkeypatch):
         emulation.activate()
     assert emulation.activate_if_no_gpu() is False
     assert not emulation.is_active()
+
+
+def _tp_init(rank, world):
+    from loco_megatron import emulation
+
+    emulation.activate()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    model_parallel_cuda_manual_seed(7)
+    torch.manual_seed(11)  # the host generator is the same on both ranks
+    w = torch.empty(8, 8, device="cuda")
+    with get_cuda_rng_tracker().fork():  # megatron's _initialize_affine_weight_gpu
+        torch.nn.init.normal_(w, std=0.02)
+    host = torch.empty(8).normal_()  # outside fork: the host generator (CPU initialisation)
+    return w, host
+
+
+def test_gpu_style_init_inside_fork_differs_per_tp_rank():
+    (w0, h0), (w1, h1) = run_ranks(_tp_init, 2)
+    assert not torch.equal(w0, w1)  # each TP rank's tracker seed gives its own shard
+    assert torch.equal(h0, h1)  # host draws follow torch.manual_seed on every rank

@@ -8,8 +8,9 @@ places. :func:`activate` makes those work on CPU:
   ``.cuda()`` a no-op, reports ``is_cuda`` True and ``torch.cuda.*Tensor`` type names;
 * ``torch.cuda`` queries, streams, events and memory statistics get CPU stand-ins;
 * the "CUDA" RNG is a generator of its own (:data:`CUDA_GENERATOR`), as on a GPU: the device's
-  random ops (dropout, bernoulli, in-place ``normal_``/``uniform_`` fills, factories asked for a
-  cuda device) draw from it, so megatron's RNG tracker (``fork()`` for tensor-parallel dropout
+  random ops (dropout, bernoulli, factories asked for a cuda device, and every random fill
+  inside megatron's ``get_cuda_rng_tracker().fork()``, e.g. GPU-style weight initialisation)
+  draw from it, so megatron's RNG tracker (``fork()`` for tensor-parallel dropout
   and initialisation) and checkpointed RNG states behave as on a GPU, and host-side draws (the
   DataLoader's worker seeds, CPU initialisation) do not shift the dropout masks: a resumed run
   draws the same masks as an uninterrupted one. Megatron's "CPU RNG state changed within GPU
@@ -44,13 +45,21 @@ _CPU = torch.device("cpu")
 #: the emulated device's random generator (``torch.cuda.get_rng_state`` & co. act on it)
 CUDA_GENERATOR = torch.Generator()
 _F = torch.nn.functional
+_I = torch.nn.init
+#: random ops that only run on the device in megatron (dropout masks)
 _DEVICE_RANDOM_OPS = {
     _F.dropout, _F.dropout1d, _F.dropout2d, _F.dropout3d, _F.alpha_dropout,
     _F.feature_alpha_dropout, torch.dropout, torch.bernoulli, torch.Tensor.bernoulli_,
-    torch.Tensor.normal_, torch.Tensor.uniform_,
 }
 _RANDOM_FACTORIES = {torch.rand, torch.randn, torch.randint, torch.randperm, torch.normal,
                      torch.rand_like, torch.randn_like, torch.randint_like}
+#: random fills that megatron runs on the host (CPU initialisation) or on the device (inside
+#: ``get_cuda_rng_tracker().fork()``, e.g. ``_initialize_affine_weight_gpu``)
+_FILL_RANDOM_OPS = _RANDOM_FACTORIES | {
+    torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.exponential_,
+    _I.normal_, _I.uniform_, _I.trunc_normal_, _I.xavier_normal_, _I.xavier_uniform_,
+    _I.kaiming_normal_, _I.kaiming_uniform_, _I.orthogonal_, _I.sparse_,
+}
 
 
 def _is_cuda_device(d) -> bool:
@@ -90,7 +99,8 @@ class CpuAsCudaMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        device_random = func in _DEVICE_RANDOM_OPS and kwargs.get("generator") is None
+        device_random = kwargs.get("generator") is None and (
+            func in _DEVICE_RANDOM_OPS or (_state["in_fork"] > 0 and func in _FILL_RANDOM_OPS))
         if "device" in kwargs:
             device_random = device_random or (func in _RANDOM_FACTORIES and kwargs.get(
                 "generator") is None and _is_cuda_device(kwargs["device"]))
@@ -155,7 +165,7 @@ class _DeviceProperties:
 
 
 _DEVICE_PROPERTIES = _DeviceProperties()
-_state = {"mode": None, "saved": []}
+_state = {"mode": None, "saved": [], "in_fork": 0}
 
 
 def is_active() -> bool:
@@ -215,6 +225,13 @@ def activate() -> None:
     mcore_random = sys.modules.get("megatron.core.tensor_parallel.random")
     if mcore_random is not None:  # imported before activation: it holds its own _lazy_call
         _patch(mcore_random, "_lazy_call", cuda._lazy_call)
+    try:
+        import megatron.core.tensor_parallel.random as mcore_random
+    except ImportError:
+        mcore_random = None
+    if mcore_random is not None:  # random fills inside fork() are device ops
+        tracker = mcore_random.CudaRNGStatesTracker
+        _patch(tracker, "fork", _counting_fork(tracker.fork))
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_rng_warning_filter)
     _patch(torch.accelerator, "current_accelerator", lambda check_available=False: None)
     _patch(torch.accelerator, "is_available", lambda: False)
@@ -228,6 +245,18 @@ def activate() -> None:
     mode = CpuAsCudaMode()
     mode.__enter__()
     _state["mode"] = mode
+
+
+def _counting_fork(fork):
+    @contextlib.contextmanager
+    def counted(self, *args, **kwargs):
+        with fork(self, *args, **kwargs):
+            _state["in_fork"] += 1
+            try:
+                yield
+            finally:
+                _state["in_fork"] -= 1
+    return counted
 
 
 def deactivate() -> None:

@@ -199,6 +199,16 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
             f"{k} changed {saved_fp.get(k)} -> {getattr(cfg, k)}" for k in changed)
             + f" since {source}; error buffers reset to zero")
         return notes
+    saved_dp = meta["dp_size"]
+    if view.dp_size == 1 or saved_dp == 1:
+        for ref in view.buckets:
+            comp.reset_error(ref.key)
+        if saved_dp != view.dp_size:
+            note(logging.WARNING, f"LoCo: DP size changed {saved_dp} -> {view.dp_size} since "
+                                  f"{source}; nothing is compressed at DP size 1, so "
+                                  f"{'the saved error buffers are dropped' if view.dp_size == 1 else 'there is no saved error'}: "
+                                  f"error buffers start from zero")
+        return notes
     resharded, unmapped = 0, []
     for ref in view.buckets:
         where = f"{source} key {view.prefix}.{ref.name}"
@@ -207,15 +217,10 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
             reason = "not in the checkpoint"
         elif entry["numel_unpadded"] != ref.numel_unpadded or entry["params"] != ref.params():
             reason = "its parameters differ (model or --ddp-bucket-size changed)"
-        if reason is None and exact is not None and ref.name in exact:
-            if entry["error_numel"] != ref.error_numel:
-                raise ValueError(f"LoCo checkpoint {where}: exact form at DP size "
-                                 f"{meta['dp_size']} has {entry['error_numel']} elements, the "
-                                 f"layout needs {ref.error_numel}")
+        if (reason is None and exact is not None and ref.name in exact
+                and saved_dp == view.dp_size and entry["error_numel"] == ref.error_numel):
             comp.restore_error(ref.key, exact[ref.name], ref.error_numel,
                                ref.bucket.grad_data.device, where=where + ".exact")
-        elif reason is None and meta["dp_size"] == 1:
-            comp.reset_error(ref.key)  # nothing was compressed at DP size 1: the error is zero
         elif reason is None and sums is not None and ref.name in sums:
             _restore_from_sum(view, ref, sums[ref.name], where)
             resharded += 1
@@ -226,8 +231,11 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         note(logging.WARNING, f"LoCo: bucket layout of {source} cannot be mapped for "
                               f"{', '.join(unmapped)}; those error buffers reset to zero")
     if resharded:
-        note(logging.WARNING, f"LoCo: DP size changed {meta['dp_size']} -> {view.dp_size}: "
-                              f"{resharded} error buffers resharded from the DP-summed form")
+        why = (f"DP size changed {saved_dp} -> {view.dp_size}" if saved_dp != view.dp_size else
+               f"bucket padding changed at DP size {saved_dp} (e.g. "
+               f"--ddp-pad-buckets-for-high-nccl-busbw)")
+        note(logging.WARNING, f"LoCo: {why}: {resharded} error buffers resharded from the "
+                              f"DP-summed form")
     if saved_fp.get("error_dtype") != cfg.error_dtype:
         note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get('error_dtype')} -> "
                               f"{cfg.error_dtype}; saved errors converted")

@@ -17,7 +17,9 @@ save returned. On load, a rank reads its own file (same DP size) or the files wh
 the summed error overlap its new shard (DP size changed), memory-mapped.
 """
 
+import glob
 import os
+import re
 from typing import Dict, List, Optional
 
 import torch
@@ -34,6 +36,9 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
     """Write this rank's LoCo file (collective over the DP group). Returns its path, or None
     when LoCo is off."""
     if not view.state.active:
+        if view.dp_rank == 0:  # LoCo off: no LoCo file may survive from an earlier save here
+            for path in _rank_files(filename, index).values():
+                os.remove(path)
         return None
     meta = view.meta()
     exact, sums = {}, {}
@@ -43,6 +48,10 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
         for ref in view.buckets:
             sums[ref.name] = {"start": ref.sum_range[0],
                               "values": view.summed_shard(ref).detach().cpu().clone()}
+    if view.dp_rank == 0:  # files of ranks beyond this DP size are stale (an earlier save)
+        for rank, path in _rank_files(filename, index).items():
+            if rank >= view.dp_size:
+                os.remove(path)
     path = sidecar_path(filename, index, view.dp_rank)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
@@ -87,17 +96,38 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
     first = sidecar_path(filename, index, 0)
     source = os.path.dirname(filename)
     if not os.path.exists(first):
+        others = _rank_files(filename, index)
+        if others:
+            raise ValueError(f"LoCo checkpoint file {first} (DP rank 0's, with the metadata) is "
+                             f"missing while {os.path.basename(next(iter(others.values())))} "
+                             f"exists; restore it, "
+                             f"or delete every loco_state_{index}_dp*.pt to resume with zero "
+                             f"error buffers")
         return apply(view, None, None, None, source)
     if not view.state.active:
         return apply(view, {"observed": True}, None, None, source)
     meta = _read(first)["meta"]
+    exact = sums = None
     if meta["dp_size"] == view.dp_size:
         if not os.path.exists(own):
             raise ValueError(f"LoCo checkpoint file {own} is missing (saved at DP size "
                              f"{meta['dp_size']}, every rank wrote one)")
-        return apply(view, meta, _read(own, meta)["exact"], None, own)
-    sums = _gather_sums(view, meta, filename, index) if "sum" in meta["forms"] else None
-    return apply(view, meta, None, sums, source)
+        exact, source = _read(own, meta)["exact"], own
+    padding_changed = any(meta["buckets"].get(r.name, {}).get("error_numel") != r.error_numel
+                          for r in view.buckets)
+    if "sum" in meta["forms"] and (exact is None or padding_changed):
+        sums = _gather_sums(view, meta, filename, index)
+    return apply(view, meta, exact, sums, source)
+
+
+def _rank_files(filename: str, index: int) -> Dict[int, str]:
+    """``{DP rank: path}`` of every ``loco_state_<index>_dp<rank>.pt`` next to ``filename``."""
+    found = {}
+    for path in glob.glob(os.path.join(os.path.dirname(filename), f"loco_state_{index}_dp*.pt")):
+        match = re.fullmatch(rf"loco_state_{index}_dp(\d+)\.pt", os.path.basename(path))
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
 
 
 def _gather_sums(view: OptimizerLoCo, meta: dict, filename: str, index: int):

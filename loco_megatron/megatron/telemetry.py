@@ -70,7 +70,7 @@ def log_chunk_layout(chunk: int, config: LoCoConfig,
     memory, disk = error_state_bytes(config, [lay for lay, _ in buckets])
     _print_rank_0(
         f"> LoCo: model chunk {chunk}: error state {memory} bytes per rank in memory "
-        f"({memory / numel:.3f} B/element), <= {disk} bytes per rank per checkpoint "
+        f"({memory / numel:.3f} B/element), <= {disk} tensor bytes per rank per checkpoint "
         f"({disk / numel:.3f} B/element)")
     padded = sum(lay.world * lay.padded_shard for lay, _ in buckets)
     if padded > 1.5 * numel:

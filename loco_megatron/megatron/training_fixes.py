@@ -63,7 +63,9 @@ def init_torch_optimizer_states_before_load() -> None:
     ``load_checkpoint`` builds the state dict to load into. Before loading an existing
     checkpoint, this runs megatron-core's own ``_init_optimizer_states_with_dummy_values()``
     (the call megatron makes itself for some sharding formats); the checkpoint then overwrites
-    the dummy states and the parameters. Stock behaviour everywhere else.
+    the dummy states and the parameters. Not with ``--finetune`` / ``--no-load-optim``: the
+    optimizer state is not loaded then, and a dummy step would leave Adam one step ahead.
+    Stock behaviour everywhere else.
     """
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.training.training as training
@@ -75,8 +77,11 @@ def init_torch_optimizer_states_before_load() -> None:
     def load_checkpoint(model, optimizer, *args, **kwargs):
         from megatron.training import get_args
 
-        load_dir = get_args().load
-        if optimizer is not None and load_dir and os.path.exists(
+        margs = get_args()
+        load_dir = margs.load
+        loads_optimizer = not (getattr(margs, "finetune", False)
+                               or getattr(margs, "no_load_optim", False))
+        if optimizer is not None and load_dir and loads_optimizer and os.path.exists(
                 os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
             for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
                 if isinstance(opt, distrib_optimizer.DistributedOptimizer) and not opt.optimizer.state:
