@@ -9,7 +9,10 @@
 #   * GPUs present: one rank per local GPU, NCCL;
 #   * no GPU: 2 CPU ranks (DP=2) with gloo through the CUDA emulation.
 # Your flags come after the defaults, so they win (e.g. --loco-bits 16 --train-iters 50).
-# Environment: NPROC (ranks), LOCO_DATA_DIR (corpus cache), OUT_DIR (default runs/<time>).
+# Environment: NPROC (ranks per node), LOCO_DATA_DIR (corpus cache), OUT_DIR (default
+# runs/<time>), MASTER_PORT; multi-node (slurm/pretrain.sbatch sets these): NNODES, NODE_RANK,
+# MASTER_ADDR, GPUS_PER_NODE (skips probing the GPUs); LOCO_DRY_RUN=1 prints the launch command
+# instead of running it.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash install.sh
@@ -28,7 +31,9 @@ if [ "$user_data" = 0 ]; then
              --tokenizer-model "$TOKENIZER_DIR")
 fi
 
-ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+ngpu=${GPUS_PER_NODE:-$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)}
 if [ "$ngpu" -gt 0 ]; then
   NPROC=${NPROC:-$ngpu}
   hw_args=(--distributed-backend nccl)
@@ -45,13 +50,20 @@ fi
 # Megatron asserts this for tensor parallelism on pre-Blackwell GPUs (and under the emulation).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 OUT_DIR=${OUT_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$OUT_DIR"
 model_args=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256
-            --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size $((4 * NPROC))
+            --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size $((4 * NPROC * NNODES))
             --train-iters 300 --split 98,1,1 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
             --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer
             --log-interval 10 --eval-interval 100 --eval-iters 10 --tensorboard-dir "$OUT_DIR/tensorboard"
             --loco-bits 4)
-echo "run_pretrain.sh: $NPROC ranks, logs and TensorBoard in $OUT_DIR" >&2
-exec "$PY" -m torch.distributed.run --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29517}" \
-  -m loco_megatron.pretrain_gpt "${hw_args[@]}" "${model_args[@]}" "${data_args[@]}" "$@"
+launch=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
+        --nproc-per-node "$NPROC" --master-addr "${MASTER_ADDR:-127.0.0.1}"
+        --master-port "${MASTER_PORT:-29517}"
+        -m loco_megatron.pretrain_gpt "${hw_args[@]}" "${model_args[@]}" "${data_args[@]}" "$@")
+if [ -n "${LOCO_DRY_RUN:-}" ]; then
+  printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
+  exit 0
+fi
+mkdir -p "$OUT_DIR"
+echo "run_pretrain.sh: $NNODES node(s) x $NPROC ranks, logs and TensorBoard in $OUT_DIR" >&2
+exec "${launch[@]}"
