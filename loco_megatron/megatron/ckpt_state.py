@@ -110,17 +110,19 @@ class OptimizerLoCo:
                                  "step": int(steps.get(r.key, 0))} for r in self.buckets},
         }
 
+    def _error(self, ref: BucketRef):
+        """``ref``'s :class:`ErrorBuffer` (created as zeros if the bucket never compressed)."""
+        return self.state.compensator._buffer(ref.key, ref.error_numel, torch.float32,
+                                              ref.bucket.grad_data.device)
+
     def exact(self, ref: BucketRef) -> Dict[str, torch.Tensor]:
         """This rank's stored error tensors for ``ref`` (live tensors, zeros if never used)."""
-        comp = self.state.compensator
-        buf = comp._buffer(ref.key, ref.error_numel, torch.float32, ref.bucket.grad_data.device)
-        return buf.tensors()
+        return self._error(ref).tensors()
 
     def summed_shard(self, ref: BucketRef) -> torch.Tensor:
         """Collective over the DP group: this rank's ``sum_range`` of the DP-summed error, fp32."""
         layout = ref.layout
-        err = self.state.compensator._buffer(ref.key, ref.error_numel, torch.float32,
-                                             ref.bucket.grad_data.device).get().float()
+        err = self._error(ref).get().float()
         padded = torch.empty(layout.padded_shard, dtype=torch.float32, device=err.device)
         dist.reduce_scatter_tensor(padded, err, group=self.group)
         shard = torch.zeros(layout.shard, dtype=torch.float32, device=err.device)
