@@ -13,6 +13,7 @@ Run with ``python -m torch.distributed.run --nproc-per-node N -m loco_megatron.p
 import logging
 import os
 import sys
+import time
 import warnings
 from functools import partial
 
@@ -145,9 +146,16 @@ train_valid_test_datasets_provider.is_distributed = True
 
 
 def _fail(error: Exception) -> None:
-    """Exit with a one-line error (printed by global rank 0 only), no traceback."""
+    """Exit with a one-line error (printed by global rank 0 only), no traceback.
+
+    Every rank finds the same error; the others wait (up to 30 s) before exiting so that the
+    launcher does not tear rank 0 down before it has printed: torchrun stops the remaining
+    workers as soon as one exits non-zero.
+    """
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(30)
     sys.exit(2)
 
 
