@@ -46,6 +46,13 @@ class LoCoConfig:
     """Storage of the error buffer (``--loco-error-dtype``): ``int8`` (symmetric, one fp32 scale
     per block, ~1 byte per element) or ``fp32`` (exact, 4 bytes per element)."""
 
+    start_iter: int = 0
+    """Warm-up (``--loco-start-iter``): megatron-core's full-precision reduce-scatter for the
+    first this many optimizer steps, LoCo from then on (the precedents: PowerSGD's
+    ``start_powerSGD_iter``, 1-bit Adam's ``freeze_step``). Counted with the per-bucket step
+    counter that also schedules resets and is saved in checkpoints, so a resumed run continues
+    the count; a checkpoint without LoCo state starts it at 0. 0 compresses from the first step."""
+
     def __post_init__(self):
         if self.bits is not None and self.bits not in COMPRESSED_BITS + FULL_PRECISION_BITS:
             raise LoCoConfigError(
@@ -66,6 +73,11 @@ class LoCoConfig:
             raise LoCoConfigError(
                 f"--loco-block-size {self.block_size} must be a positive even integer "
                 f"(4-bit codes are packed two per byte); 256 is the default."
+            )
+        if int(self.start_iter) != self.start_iter or self.start_iter < 0:
+            raise LoCoConfigError(
+                f"--loco-start-iter {self.start_iter} must be a non-negative integer "
+                f"(optimizer steps at full precision before LoCo starts; 0 = from the start)."
             )
         if self.error_dtype not in ERROR_DTYPES:
             raise LoCoConfigError(

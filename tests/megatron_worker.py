@@ -135,7 +135,7 @@ def stale_model_worker(rank, world):
 
 
 def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
-          check_steps=(0, 7), block_size: int = 256):
+          check_steps=(0, 7), block_size: int = 256, start_iter: int = 0):
     """Build and train the tiny GPT with LoCo ``mode`` in {"stock", "bits16", "loco4", "loco8"}."""
     import loco_megatron
     from megatron.core import parallel_state as ps
@@ -143,7 +143,8 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
     state = None
     if mode != "stock":
         bits = {"bits16": 16, "loco4": 4, "loco8": 8}[mode]
-        state = loco_megatron.install(loco_megatron.LoCoConfig(bits=bits, block_size=block_size))
+        state = loco_megatron.install(loco_megatron.LoCoConfig(bits=bits, block_size=block_size,
+                                                               start_iter=start_iter))
     checker = ShardChecker(state) if state is not None and state.active else None
     try:
         model, opt = build_gpt(overlap, bucket_size)
@@ -166,11 +167,20 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
         if state is not None and state.active:
             counters = {"calls": state.wire.calls, "compress": state.compensator.stats.calls,
                         "buckets": state.num_buckets, "bytes": state.wire.bytes_sent,
-                        "stock_bytes": state.wire.stock_bytes}
+                        "stock_bytes": state.wire.stock_bytes,
+                        "steps": sorted(set(state.compensator.stats.steps.values()))}
         return {"losses": losses, "params": params, "tp_drift": tp_drift, "counters": counters,
                 "shard_check": worst, "num_bucket_groups": len(model.bucket_groups)}
     finally:
         loco_megatron.uninstall()
+
+
+def warmup_worker(rank, world, start_iter, steps):
+    """Stock vs LoCo 4-bit with ``--loco-start-iter start_iter`` (overlapped, several buckets)."""
+    setup(1, "gloo")
+    return {"stock": train("stock", True, steps, bucket_size=6000, check_steps=()),
+            "loco4": train("loco4", True, steps, bucket_size=6000, check_steps=(),
+                           start_iter=start_iter)}
 
 
 def grid_worker(rank, world, tp, overlap, backend, modes):

@@ -13,6 +13,7 @@ from loco_megatron.megatron.arguments import add_loco_args, config_from_args
     ({"beta": 1.0}, "--loco-err-beta"), ({"beta": -0.1}, "--loco-err-beta"),
     ({"reset_interval": -1}, "--loco-reset-interval"), ({"block_size": 3}, "--loco-block-size"),
     ({"block_size": 0}, "--loco-block-size"), ({"error_dtype": "fp16"}, "--loco-error-dtype"),
+    ({"start_iter": -1}, "--loco-start-iter"), ({"start_iter": 1.5}, "--loco-start-iter"),
 ])
 def test_invalid_values_name_the_flag(kwargs, flag):
     with pytest.raises(LoCoConfigError, match=flag):
@@ -31,9 +32,9 @@ def _parser():
 def test_flags_round_trip_and_defaults():
     args = _parser().parse_args(["--loco-bits", "4", "--loco-err-beta", "0.5",
                                  "--loco-reset-interval", "10", "--loco-block-size", "128",
-                                 "--loco-error-dtype", "fp32"])
+                                 "--loco-error-dtype", "fp32", "--loco-start-iter", "7"])
     assert config_from_args(args) == LoCoConfig(bits=4, beta=0.5, reset_interval=10,
-                                                block_size=128, error_dtype="fp32")
+                                                block_size=128, error_dtype="fp32", start_iter=7)
     assert config_from_args(_parser().parse_args([])) == LoCoConfig()
 
 
@@ -52,7 +53,7 @@ def test_bad_flag_value_fails_at_parse_time_with_flag_name():
 def test_help_lists_every_field():
     text = _parser().format_help()
     for flag in ("--loco-bits", "--loco-err-beta", "--loco-reset-interval", "--loco-block-size",
-                 "--loco-error-dtype"):
+                 "--loco-error-dtype", "--loco-start-iter"):
         assert flag in text
 
 

@@ -67,3 +67,18 @@ def test_model_from_an_earlier_install_is_refused():
     for message, calls in run_ranks(stale_model_worker, 2):
         assert calls == 1  # the new model's one bucket went through LoCo
         assert message is not None and "before the current loco_megatron.install()" in message
+
+
+def test_warmup_start_iter_runs_stock_first():
+    """--loco-start-iter 3: the first 3 steps are megatron-core's own full-precision reduce
+    (losses bit-identical to stock, nothing compressed), LoCo compresses every step after."""
+    from .megatron_worker import warmup_worker
+
+    start, steps = 3, 6
+    for res in run_ranks(warmup_worker, 2, start, steps):
+        stock, loco = res["stock"], res["loco4"]
+        c = loco["counters"]
+        assert loco["losses"][:start + 1] == stock["losses"][:start + 1]  # step 3's loss: stock grads
+        assert loco["losses"][start + 1:] != stock["losses"][start + 1:]
+        assert c["buckets"] > 1 and c["compress"] == (steps - start) * c["buckets"]
+        assert c["steps"] == [steps]  # warm-up steps counted (resets stay on schedule)

@@ -18,6 +18,7 @@ FLAGS = {
     "reset_interval": ("--loco-reset-interval", int, {"metavar": "STEPS"}),
     "block_size": ("--loco-block-size", int, {"metavar": "N"}),
     "error_dtype": ("--loco-error-dtype", str, {"choices": ERROR_DTYPES}),
+    "start_iter": ("--loco-start-iter", int, {"metavar": "STEPS"}),
 }
 
 

@@ -133,6 +133,8 @@ def _wrap_start_grad_sync(orig):
                 or not self.ddp_config.use_distributed_optimizer
                 or self.intra_distributed_optimizer_instance_size == 1):
             return orig(self, *args, **kwargs)  # stock path (DP size 1: nothing is sent)
+        if state.config.start_iter and _count_warmup_step(state, self):
+            return orig(self, *args, **kwargs)  # --loco-start-iter: full precision for now
         buckets = iter(self.buckets)
         works = []
 
@@ -167,6 +169,20 @@ def _wrap_start_grad_sync(orig):
             self.grad_reduce_handle = GroupWork(works)
         return result
     return start_grad_sync
+
+
+def _count_warmup_step(state: LoCoState, group) -> bool:
+    """True, and one step counted for each of the group's buckets, while the group is inside
+    the warm-up (its step counter below ``config.start_iter``); False once LoCo has started."""
+    if any(getattr(b, "loco_generation", None) != state.generation for b in group.buckets):
+        return False  # not this install's model: the compressed path refuses it clearly
+    steps = state.compensator.stats.steps
+    keys = [bucket.loco_key for bucket in group.buckets]
+    if max(steps.get(key, 0) for key in keys) >= state.config.start_iter:
+        return False
+    for key in keys:
+        steps[key] = steps.get(key, 0) + 1
+    return True
 
 
 def install(config: LoCoConfig) -> LoCoState:

@@ -89,7 +89,9 @@ def log_loco_startup(state, args, emulated: bool) -> None:
         _print_rank_0(
             f"> LoCo active: {cfg.bits}-bit compensated reduce-scatter, block {cfg.block_size}, "
             f"err-beta {cfg.beta}, reset every {cfg.reset_interval} steps, error storage "
-            f"{cfg.error_dtype}; on {where}")
+            f"{cfg.error_dtype}; on {where}"
+            + (f"; full precision for the first {cfg.start_iter} steps (--loco-start-iter)"
+               if cfg.start_iter else ""))
     else:
         _print_rank_0(f"> LoCo off (--loco-bits {cfg.bits}): stock megatron-core reduce-scatter; "
                       f"on {where}")
