@@ -31,8 +31,15 @@ def _run(tmp_path, *flags, check=True):
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, *flags], env=env,
                           capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
-    assert (proc.returncode == 0) == check, out[-6000:]
+    assert (proc.returncode == 0) == check, _excerpt(out)
     return out
+
+
+def _excerpt(out: str) -> str:
+    """The lines a failure report needs: every error/abort line, then the output's end."""
+    keys = ("error", "Error", "terminate", "Signal", "signal", "Traceback", "exitcode")
+    hits = [line for line in out.splitlines() if any(k in line for k in keys)]
+    return "\n".join(hits[:80]) + "\n--- last 6000 characters ---\n" + out[-6000:]
 
 
 def _losses(out):
