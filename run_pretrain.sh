@@ -15,15 +15,18 @@
 # MASTER_ADDR, GPUS_PER_NODE (skips probing the GPUs); LOCO_DRY_RUN=1 prints the launch command
 # instead of running it.
 set -euo pipefail
+caller_dir=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash install.sh
 PY=.venv/bin/python
 
-# --config FILE (YAML; docs/configs.md) is expanded here, so the file's flags come after this
-# script's defaults and before your other flags: command line > YAML > defaults.
+# --config FILE (YAML; docs/configs.md; a relative FILE is found from where you ran this script)
+# is expanded here, so the file's flags come after this script's defaults and before your other
+# flags: command line > YAML > defaults.
 for a in "$@"; do
   case "$a" in --config|--config=*)
-    line=$("$PY" -m loco_megatron.megatron.yaml_config "$@")
+    line=$(repo=$PWD; cd "$caller_dir" && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" \
+           "$repo/$PY" -m loco_megatron.megatron.yaml_config "$@")
     eval "set -- $line"
     break ;;
   esac

@@ -176,3 +176,24 @@ def test_tiny_cpu_config_trains_with_cli_overrides(tmp_path):
                         ("normalization", "RMSNorm"), ("train_iters", "2")):
         assert f"  {name} {'.' * (48 - len(name))} {value}\n" in out, name
     assert len(_losses(out)) == 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_run_pretrain_places_yaml_between_its_defaults_and_the_cli(tmp_path):
+    """run_pretrain.sh expands --config (relative to the caller's directory): its defaults, then
+    the file's flags, then the user's, so argparse's last-one-wins gives CLI > YAML > defaults."""
+    (tmp_path / "rel.yaml").write_text("num-layers: 3\nmock-data: true\nloco:\n  bits: 8\n")
+    env = dict(os.environ, LOCO_DRY_RUN="1", GPUS_PER_NODE="0", OUT_DIR=str(tmp_path / "run"))
+    proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), "--num-layers", "5",
+                           "--config", "rel.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    tail = line[line.index("--num-layers 4 "):]  # run_pretrain.sh's own model defaults first
+    assert tail.index("--loco-bits 4") < tail.index("--num-layers 3 --mock-data --loco-bits 8") \
+        < tail.index("--num-layers 5")
+    assert "preparing the default corpus" not in proc.stderr  # mock-data came from the YAML
+    bad = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), "--config", "nope.yaml"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "error: --config nope.yaml: cannot read the file" in bad.stderr
