@@ -160,3 +160,34 @@ def test_megatron_yaml_cfg_keeps_the_loco_section(tmp_path, megatron_arguments, 
     args = yaml_arguments.validate_yaml(args, {})
     assert isinstance(args.loco, types.SimpleNamespace)  # survived load_yaml and validation
     assert config_from_args(args) == LoCoConfig(bits=4, beta=0.25, block_size=128)
+
+
+_CHECKOUT_KEYS = """
+import argparse, glob, sys, warnings, yaml
+warnings.filterwarnings("ignore")
+sys.path.insert(0, sys.argv[1])
+from megatron.training import arguments
+assert arguments.__file__.startswith(sys.argv[1]), arguments.__file__
+parser = arguments.add_megatron_arguments(argparse.ArgumentParser())
+known = {opt for action in parser._actions for opt in action.option_strings}
+for path in sorted(glob.glob("configs/*.yaml")):
+    print(path, [k for k in yaml.safe_load(open(path)) if k != "loco" and "--" + k not in known])
+"""
+
+
+def test_config_keys_are_flags_of_a_megatron_lm_checkout(tmp_path):
+    """Users run the configs with their own Megatron-LM through the wrapper: the keys must be
+    flags of that parser too ($MEGATRON_LM, else core_v0.16.1 from the local mirror)."""
+    checkout = os.environ.get("MEGATRON_LM")
+    if not checkout:
+        if not MIRROR.is_dir():
+            pytest.skip("needs a Megatron-LM checkout: set MEGATRON_LM")
+        checkout = str(tmp_path / "Megatron-LM")
+        os.makedirs(checkout)
+        subprocess.run(f"git --git-dir={MIRROR} archive core_v0.16.1 megatron | tar -x -C "
+                       f"{checkout}", shell=True, check=True)
+    proc = subprocess.run([sys.executable, "-c", _CHECKOUT_KEYS, checkout], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("configs/")]
+    assert len(lines) == 4 and all(line.endswith(" []") for line in lines), proc.stdout
