@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
 # Pretrain a small GPT with LoCo 4-bit gradient reduce-scatter through Megatron's own training loop.
 #
-#   bash run_pretrain.sh [Megatron-LM / --loco-* flags ...]
+#   bash run_pretrain.sh [--config configs/FILE.yaml] [Megatron-LM / --loco-* flags ...]
 #
 # Sets up .venv if needed, prepares the default real corpus (this Python's standard-library
 # sources -> locally trained BPE tokenizer -> Megatron indexed dataset, cached) unless you pass
 # --data-path or --mock-data, then launches torch.distributed.run:
 #   * GPUs present: one rank per local GPU, NCCL;
 #   * no GPU: 2 CPU ranks (DP=2) with gloo through the CUDA emulation.
-# Your flags come after the defaults, so they win (e.g. --loco-bits 16 --train-iters 50).
+# Your flags come after the defaults, so they win (e.g. --loco-bits 16 --train-iters 50); a
+# --config YAML file sits in between (docs/configs.md).
 # Environment: NPROC (ranks per node), LOCO_DATA_DIR (corpus cache), OUT_DIR (default
 # runs/<time>), MASTER_PORT; multi-node (slurm/pretrain.sbatch sets these): NNODES, NODE_RANK,
 # MASTER_ADDR, GPUS_PER_NODE (skips probing the GPUs); LOCO_DRY_RUN=1 prints the launch command
 # instead of running it.
 set -euo pipefail
+caller_dir=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash install.sh
 PY=.venv/bin/python
+
+# --config FILE (YAML; docs/configs.md; a relative FILE is found from where you ran this script)
+# is expanded here, so the file's flags come after this script's defaults and before your other
+# flags: command line > YAML > defaults.
+for a in "$@"; do
+  case "$a" in --config|--config=*)
+    line=$(repo=$PWD; cd "$caller_dir" && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" \
+           "$repo/$PY" -m loco_megatron.megatron.yaml_config "$@")
+    eval "set -- $line"
+    break ;;
+  esac
+done
 
 user_data=0
 for a in "$@"; do
@@ -43,7 +57,7 @@ else
   NPROC=${NPROC:-2}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   hw_args=(--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
-           --use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion
+           --use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
            --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm)
 fi
 

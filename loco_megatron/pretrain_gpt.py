@@ -4,7 +4,7 @@ The role of Megatron-LM's ``pretrain_gpt.py``, written for this package (DESIGN.
 provider, a forward step and a dataset provider, handed to ``megatron.training.pretrain`` of the
 installed megatron-core (>= 0.17 wheels ship ``megatron.training``). Every Megatron-LM flag works
 (``--save``, ``--load``, ``--data-path``, ``--tensorboard-dir``, ...), plus the ``--loco-*``
-flags. On a machine without a GPU it runs on CPU ranks through the CUDA emulation (gloo).
+flags and ``--config FILE.yaml`` (docs/configs.md). On a machine without a GPU it runs on CPU ranks through the CUDA emulation (gloo).
 
 Run with ``python -m torch.distributed.run --nproc-per-node N -m loco_megatron.pretrain_gpt
 <megatron flags>`` (``run_pretrain.sh`` does this with sensible defaults).
@@ -163,8 +163,10 @@ def main() -> None:
     """Parse Megatron + LoCo flags, install LoCo, run ``megatron.training.pretrain``."""
     from .config import LoCoConfigError
     from .megatron.arguments import check_megatron_args, preparse_loco_config
+    from .megatron.yaml_config import expand_config_argv
 
     try:
+        sys.argv[1:] = expand_config_argv(sys.argv[1:])  # --config FILE: its flags, CLI after
         preparse_loco_config(sys.argv[1:])  # bad --loco-* values fail before Megatron starts
     except LoCoConfigError as e:
         _fail(e)

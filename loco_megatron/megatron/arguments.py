@@ -7,6 +7,7 @@ the argparse namespace and the flags may then be absent.
 """
 
 import argparse
+import sys
 from dataclasses import MISSING, fields
 
 from ..config import ERROR_DTYPES, LoCoConfig, LoCoConfigError
@@ -39,18 +40,56 @@ def add_loco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args) -> LoCoConfig:
+def config_from_args(args, argv=None) -> LoCoConfig:
     """Build a :class:`LoCoConfig` from a Megatron args namespace (missing flags -> defaults).
 
+    With an argparse namespace the ``loco_<field>`` attributes already hold CLI > defaults (and
+    ``--config`` files, expanded before parsing, in between). Under Megatron-LM's ``--yaml-cfg``
+    (``args.yaml_cfg`` set), ``load_yaml`` (megatron/training/yaml_arguments.py) has replaced
+    the namespace by the YAML's content, a ``SimpleNamespace`` in which the ``--loco-*`` values
+    are lost; the settings are then read, highest precedence first, from: ``--loco-*`` flags
+    given explicitly in ``argv`` (default ``sys.argv[1:]``); the YAML's ``loco:`` section
+    (``args.loco``, keys as in ``--config`` files: ``bits``, ``err_beta``, ...); top-level
+    ``loco_<field>`` keys of the YAML; the ``LoCoConfig`` defaults.
+
     Raises:
-        LoCoConfigError: invalid values, naming the flag.
+        LoCoConfigError: invalid values, naming the flag; an unknown key or a non-mapping
+            ``loco:`` section, naming the YAML file and the key.
     """
     kwargs = {}
     for f in fields(LoCoConfig):
         value = getattr(args, f"loco_{f.name}", None)
         if value is not None:
             kwargs[f.name] = value
+    yaml_cfg = getattr(args, "yaml_cfg", None)
+    if yaml_cfg is not None:
+        from .yaml_config import loco_section_to_fields
+
+        section = getattr(args, "loco", None)
+        if section is not None:
+            kwargs.update(loco_section_to_fields(section, f"--yaml-cfg {yaml_cfg}"))
+        kwargs.update(explicit_loco_flags(sys.argv[1:] if argv is None else argv))
     return LoCoConfig(**kwargs)
+
+
+def explicit_loco_flags(argv) -> dict:
+    """``{LoCoConfig field: value}`` for the ``--loco-*`` flags present in ``argv`` (others and
+    unknown arguments ignored), converted with the flags' types.
+
+    Raises:
+        LoCoConfigError: a value that does not convert, naming the flag.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    for name, (flag, typ, extra) in FLAGS.items():
+        kw = {k: v for k, v in extra.items() if k in ("action", "nargs", "const")}
+        if "action" not in kw:
+            kw["type"] = typ
+        parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, **kw)
+    try:
+        known, _ = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError as e:
+        raise LoCoConfigError(f"{e.argument_name}: {e.message}") from None
+    return vars(known)
 
 
 def _field_docs():
