@@ -85,12 +85,11 @@ class ErrorBuffer:
 
     def squared_norm(self) -> torch.Tensor:
         """0-dim ``||e||^2`` of the stored error (int8: of ``codes * scale``), on its device, in
-        fp32 (fp64 for fp64 storage); no host sync. int8 storage computes
-        ``sum_b scale_b^2 * sum(codes_b^2)`` (the code sums exact in fp32 for blocks <= 1024;
-        transient fp32 copy of the codes)."""
+        fp32 (fp64 for fp64 storage), within fp32 rounding; no host sync. int8 storage computes
+        ``||(||codes_b|| * scale_b)_b||^2`` from a transient fp32 copy of the codes."""
         if self.storage == "int8":
-            codes = self.codes.view(-1, self.block_size).float()
-            return torch.dot(torch.linalg.vecdot(codes, codes), self.scales.square())
+            per_block = torch.linalg.vector_norm(self.codes.view(-1, self.block_size).float(), dim=1)
+            return torch.linalg.vector_norm(per_block * self.scales).square()
         return torch.dot(self.values, self.values)
 
     def nbytes(self) -> int:
