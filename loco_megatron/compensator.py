@@ -88,7 +88,8 @@ class ErrorBuffer:
         fp32 (fp64 for fp64 storage), within fp32 rounding; no host sync. int8 storage computes
         ``||(||codes_b|| * scale_b)_b||^2`` from a transient fp32 copy of the codes."""
         if self.storage == "int8":
-            per_block = torch.linalg.vector_norm(self.codes.view(-1, self.block_size).float(), dim=1)
+            codes = self.codes.view(-1, self.block_size).float()
+            per_block = torch.linalg.vector_norm(codes, dim=1)
             return torch.linalg.vector_norm(per_block * self.scales).square()
         return torch.dot(self.values, self.values)
 
