@@ -35,7 +35,8 @@ class LoCoFigures:
         buffer_norm: same for the stored error buffers ``sqrt(sum ||e||^2)`` after each step.
         bytes_per_step: bytes one rank sent to the other ranks per step, exact: the largest
             per-rank mean over the window (every rank sends the same with data parallelism only).
-        stock_bytes_per_step: what megatron-core's reduce-scatter would have sent from that rank.
+        stock_bytes_per_step: what megatron-core's reduce-scatter would have sent per step, the
+            largest per-rank mean likewise.
         compression_ratio: stock bytes / LoCo bytes summed over all ranks and steps (> 1 means
             LoCo sends fewer bytes).
         nonfinite_steps: steps left out of the norms because some bucket was non-finite.
