@@ -7,7 +7,8 @@ import loco_megatron
 from loco_megatron.config import LoCoConfig
 from loco_megatron.megatron import training_telemetry
 
-pytest.importorskip("megatron.training", reason="megatron-core wheels < 0.17 ship no megatron.training")
+pytest.importorskip("megatron.training",
+                    reason="megatron-core wheels < 0.17 ship no megatron.training")
 
 
 @pytest.fixture(autouse=True)
