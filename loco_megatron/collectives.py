@@ -26,6 +26,27 @@ from .compensator import Compensator
 from .layout import BucketLayout
 from .quantization import decode
 
+#: Megatron timers (log level 2) LoCo starts when given a ``timers`` object: compensate +
+#: quantize + pack + error update; the all-to-alls (launch, and the wait for them); unpack +
+#: dequantize + sum of the received chunks.
+TIMER_NAMES = ("loco-compress", "loco-comm", "loco-decompress")
+
+
+class _NoTimer:
+    def start(self, barrier=False):
+        pass
+
+    def stop(self, barrier=False):
+        pass
+
+
+_NO_TIMER = _NoTimer()
+
+
+def _timer(timers, name: str):
+    """``timers(name, log_level=2)`` (megatron.core.timers.Timers), or a no-op timer."""
+    return _NO_TIMER if timers is None else timers(name, log_level=2)
+
 
 @dataclass
 class WireStats:
@@ -47,17 +68,22 @@ class LoCoWork:
     Args:
         works: the outstanding ``torch.distributed`` work objects (None entries are skipped).
         finish: called once after all works completed; writes the reduced shard.
+        comm_timer: started and stopped around the wait for ``works`` (a Megatron timer).
     """
 
-    def __init__(self, works: List, finish: Callable[[], None]):
+    def __init__(self, works: List, finish: Callable[[], None], comm_timer=_NO_TIMER):
         self._works, self._finish, self._done = works, finish, False
+        self._comm_timer = comm_timer
 
     def wait(self, timeout=None) -> bool:
         """Wait for the all-to-alls, then dequantize, sum and write the shard (once)."""
         if not self._done:
-            for w in self._works:
-                if w is not None:
-                    w.wait()
+            if self._works:
+                self._comm_timer.start()
+                for w in self._works:
+                    if w is not None:
+                        w.wait()
+                self._comm_timer.stop()
             self._finish()
             self._done = True
         return True
@@ -91,7 +117,7 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
                                op=dist.ReduceOp.SUM, group=None, async_op: bool = False, *,
                                compensator: Optional[Compensator], key: Hashable = None,
                                layout: Optional[BucketLayout] = None,
-                               stats: Optional[WireStats] = None):
+                               stats: Optional[WireStats] = None, timers=None):
     """Reduce-scatter ``input`` into ``output`` with LoCo compression.
 
     Args:
@@ -107,6 +133,8 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         layout: the bucket's :class:`~loco_megatron.layout.BucketLayout` (blocks cut at shard and
             parameter boundaries); default: cut at shard boundaries only.
         stats: optional :class:`WireStats` updated with exact byte counts.
+        timers: optional ``megatron.core.timers.Timers``; times :data:`TIMER_NAMES` at log
+            level 2 (no-ops unless ``--timing-log-level 2``).
 
     Returns:
         ``LoCoWork`` if ``async_op`` else ``None``.
@@ -135,13 +163,18 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         )
     shard, pshard = layout.shard, layout.padded_shard
     work = torch.float64 if input.dtype == torch.float64 else torch.float32
+    compress_timer, comm_timer, decompress_timer = (_timer(timers, n) for n in TIMER_NAMES)
+    compress_timer.start()
     payload, scales = compensator.compress(key, layout.to_padded(input.view(-1), work))
+    compress_timer.stop()
     recv_payload = torch.empty_like(payload)
     recv_scales = torch.empty_like(scales)
+    comm_timer.start()
     works = [
         dist.all_to_all_single(recv_payload, payload, group=group, async_op=async_op),
         dist.all_to_all_single(recv_scales, scales, group=group, async_op=async_op),
     ]
+    comm_timer.stop()
     if stats is not None:
         sent = (payload.numel() * payload.element_size() + scales.numel() * 4) // world
         stats.calls += 1
@@ -149,13 +182,15 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         stats.stock_bytes += shard * input.element_size() * (world - 1)
 
     def finish():
+        decompress_timer.start()
         chunks = decode(recv_payload, recv_scales, cfg.bits, cfg.block_size, dtype=work)
         reduced = chunks.view(world, pshard).sum(dim=0)
         if op == dist.ReduceOp.AVG:
             reduced /= world
         layout.from_padded_shard(reduced, dist.get_rank(group), output)
+        decompress_timer.stop()
 
-    handle = LoCoWork(works if async_op else [], finish)
+    handle = LoCoWork(works if async_op else [], finish, comm_timer)
     if async_op:
         return handle
     handle.wait()

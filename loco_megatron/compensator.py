@@ -83,6 +83,16 @@ class ErrorBuffer:
         for t in self.tensors().values():
             t.zero_()
 
+    def squared_norm(self) -> torch.Tensor:
+        """0-dim ``||e||^2`` of the stored error (int8: of ``codes * scale``), on its device, in
+        fp32 (fp64 for fp64 storage), within fp32 rounding; no host sync. int8 storage computes
+        ``||(||codes_b|| * scale_b)_b||^2`` from a transient fp32 copy of the codes."""
+        if self.storage == "int8":
+            codes = self.codes.view(-1, self.block_size).float()
+            per_block = torch.linalg.vector_norm(codes, dim=1)
+            return torch.linalg.vector_norm(per_block * self.scales).square()
+        return torch.dot(self.values, self.values)
+
     def nbytes(self) -> int:
         """Bytes held in memory by this buffer."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -111,6 +121,8 @@ class Compensator:
         self.config = config
         self.errors: Dict[Hashable, ErrorBuffer] = {}
         self.stats = CompensatorStats()
+        #: a :class:`~loco_megatron.metrics.StepMetrics` fed by :meth:`compress`, or None (no cost)
+        self.metrics = None
 
     def _buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device) -> ErrorBuffer:
         buf = self.errors.get(key)
@@ -153,14 +165,16 @@ class Compensator:
         h = g.to(work) + e_prev
         codes, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
         scales = scales.float()  # as sent, so the error is measured against what peers decode
+        err = None
         if torch.isfinite(scales).all():
-            new_err = h - dequantize_blockwise(codes, scales, cfg.block_size, dtype=work)
-            if cfg.beta:
-                new_err = cfg.beta * e_prev + (1.0 - cfg.beta) * new_err
+            err = h - dequantize_blockwise(codes, scales, cfg.block_size, dtype=work)
+            new_err = cfg.beta * e_prev + (1.0 - cfg.beta) * err if cfg.beta else err
             buf.set(new_err)
         else:
             self.stats.skipped_nonfinite += 1
             logger.warning("LoCo: non-finite gradient in bucket %s; error update skipped", key)
+        if self.metrics is not None:
+            self.metrics.record(err, buf.squared_norm())
         self.stats.steps[key] = step + 1
         self.stats.calls += 1
         return pack_codes(codes, cfg.bits), scales

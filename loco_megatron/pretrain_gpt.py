@@ -189,6 +189,7 @@ def main() -> None:
 
     from . import install
     from .megatron.arguments import add_loco_args, config_from_args
+    from .megatron import training_telemetry
     from .megatron.telemetry import log_loco_startup
 
     args = parse_and_validate_args(extra_args_provider=add_loco_args)
@@ -198,6 +199,7 @@ def main() -> None:
     except LoCoConfigError as e:
         _fail(e)
     state = install(config)
+    training_telemetry.install(state)  # LoCo fields on the iteration line, TensorBoard, timers
     log_loco_startup(state, args, emulated)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*recommended to use a ModelConfig.*")

@@ -46,22 +46,64 @@ def _losses(out):
     return [float(x) for x in re.findall(r"iteration\s+\d+/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", out)]
 
 
+LOCO_FIELDS = re.compile(
+    r"iteration\s+(\d+)/.*\| loco compression error norm: (\S+) \| loco error buffer norm: (\S+) "
+    r"\| loco wire bytes per step: (\d+) \| loco compression ratio: (\S+) \|$", re.M)
+LOCO_TAGS = ("loco/compression-error-norm", "loco/error-buffer-norm", "loco/wire-bytes-per-step",
+             "loco/compression-ratio")
+
+
+def _scalars(tb_dir):
+    """TensorBoard scalars written by the run: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+def check_loco_telemetry(out, tb_dir, iterations):
+    """LoCo fields on every iteration line (bytes = the start-up line's expected count, ratio =
+    stock / LoCo), the same figures in TensorBoard, the loco-* timers in the timer block."""
+    expected = re.search(r"> LoCo: model chunk 0: .* (\d+) bytes/step per rank on the wire vs "
+                         r"(\d+) stock", out)
+    lines = LOCO_FIELDS.findall(out)
+    assert [int(m[0]) for m in lines] == list(range(1, iterations + 1)), out[-3000:]
+    for it, err, buf, nbytes, ratio in lines:
+        assert float(err) > 0 and float(buf) > 0
+        assert int(nbytes) == int(expected[1])
+        assert float(ratio) == pytest.approx(int(expected[2]) / int(expected[1]), abs=5e-4)
+    for name in ("loco-compress", "loco-comm", "loco-decompress"):
+        assert re.search(rf"^\s+{name} \.+: \(\d+\.\d+, \d+\.\d+\)$", out, re.M), name
+    scalars = _scalars(tb_dir)
+    for col, tag in enumerate(LOCO_TAGS, start=1):
+        assert [step for step, _ in scalars[tag]] == list(range(1, iterations + 1))
+        for (_, value), line in zip(scalars[tag], lines):
+            assert value == pytest.approx(float(line[col]), rel=1e-6, abs=5e-4 if col == 4 else 0)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
 def test_run_pretrain_loco4_on_default_corpus(tmp_path):
-    out = _run(tmp_path, "--save", str(tmp_path / "ckpt"), "--save-interval", "4")
+    out = _run(tmp_path, "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
+               "--timing-log-level", "2")
     assert "> LoCo active: 4-bit compensated reduce-scatter" in out
     assert re.search(r"> LoCo: model chunk 0: \d+ buckets, \d+ gradient elements", out)
     assert len(_losses(out)) == 4  # Megatron's own iteration lines
     assert "validation loss at iteration 4" in out
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert (tmp_path / "run" / "tensorboard").is_dir()
+    check_loco_telemetry(out, tmp_path / "run" / "tensorboard", 4)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
 def test_run_pretrain_bits16_is_stock(tmp_path):
-    out = _run(tmp_path, "--loco-bits", "16")
+    out = _run(tmp_path, "--loco-bits", "16", "--timing-log-level", "2")
     assert "> LoCo off (--loco-bits 16)" in out and "LoCo: model chunk" not in out
     assert len(_losses(out)) == 4
+    assert "loco" not in "".join(re.findall(r".*iteration\s+\d+/.*", out))  # no LoCo fields
+    assert "backward-compute" in out  # the level-2 timer block, without LoCo's timers:
+    assert not re.search(r"^\s+loco-", out, re.M)
+    assert not [t for t in _scalars(tmp_path / "run" / "tensorboard") if "loco" in t]
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")

@@ -26,6 +26,7 @@ from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
 from ..compensator import Compensator
 from ..config import LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
+from ..metrics import StepMetrics
 from . import ckpt_hooks, compat
 from .telemetry import log_chunk_layout
 
@@ -42,6 +43,10 @@ class LoCoState:
         num_chunks: model chunks (DDP instances) registered since install.
         generation: distinguishes installs in one process; a bucket registered under an
             earlier install is refused, so two models never share an error buffer.
+        metrics: per-step norms and bytes (:class:`~loco_megatron.metrics.StepMetrics`) once
+            :meth:`enable_metrics` was called, else None (no cost).
+        timers: a zero-argument callable returning a ``megatron.core.timers.Timers`` (or None)
+            for the ``loco-*`` timers; None: no timers.
     """
 
     def __init__(self, config: LoCoConfig):
@@ -52,7 +57,19 @@ class LoCoState:
         self.num_chunks = 0
         self.num_buckets = 0
         self.layouts = {}
+        self.metrics: Optional[StepMetrics] = None
+        self.timers = None
         self._originals = {}
+
+    def enable_metrics(self) -> StepMetrics:
+        """Start collecting :class:`~loco_megatron.metrics.StepMetrics` (LoCo active only);
+        call ``metrics.end_step()`` once per optimizer step and ``metrics.reduce()`` to report."""
+        if not self.active:
+            raise RuntimeError("LoCo metrics need an active LoCo install (--loco-bits 4 or 8)")
+        if self.metrics is None:
+            self.metrics = StepMetrics(self.wire)
+            self.compensator.metrics = self.metrics
+        return self.metrics
 
     def layout_for(self, bucket, world: int) -> BucketLayout:
         """The bucket's :class:`BucketLayout` (blocks cut at DP shards and parameters), cached
@@ -137,6 +154,7 @@ def _wrap_start_grad_sync(orig):
             return orig(self, *args, **kwargs)  # --loco-start-iter: full precision for now
         buckets = iter(self.buckets)
         works = []
+        timers = state.timers() if state.timers is not None else None
 
         def reduce_scatter(output, input, op=torch.distributed.ReduceOp.SUM, group=None,
                            async_op=False):
@@ -154,7 +172,7 @@ def _wrap_start_grad_sync(orig):
             work = compensated_reduce_scatter(
                 output, input, op=op, group=group, async_op=async_op,
                 compensator=state.compensator, key=bucket.loco_key, layout=layout,
-                stats=state.wire)
+                stats=state.wire, timers=timers)
             works.append(work)
             return work
 

@@ -1,0 +1,178 @@
+"""LoCo figures in Megatron's training loop: iteration-line fields, TensorBoard scalars, timers.
+
+The hook (megatron/training/training.py ``training_log``, Megatron-LM core_v0.13 to 0.19): the
+training loop calls ``training_log`` once per iteration on every rank, after the optimizer step,
+and on logging iterations it builds the iteration line and hands it to the module global
+``print_rank_last`` (called on every rank; only the last rank prints). :func:`install` wraps
+``training_log``:
+
+* every call closes the step of :class:`~loco_megatron.metrics.StepMetrics`;
+* while the original runs, ``print_rank_last`` is swapped for a function that, when given the
+  iteration line, reduces the window's figures over all ranks (collective: all ranks are there),
+  appends ``loco ...: value |`` fields, and writes ``loco/*`` scalars to the TensorBoard writer
+  (last rank) and wandb when configured;
+* with ``--timing-log-level 2`` the ``timers.log`` / ``timers.write`` calls of that
+  ``training_log`` also get the ``loco-*`` timers (:data:`~loco_megatron.collectives.TIMER_NAMES`),
+  so they print in Megatron's timer block (and go to TensorBoard with
+  ``--log-timers-to-tensorboard``).
+
+Definitions, groups and cost: docs/telemetry.md.
+"""
+
+import contextlib
+import functools
+import inspect
+import sys
+from typing import Optional
+
+from ..collectives import TIMER_NAMES
+from ..metrics import LoCoFigures
+from . import plugin
+
+#: TensorBoard / wandb tag of each figure (LoCoFigures attribute -> tag)
+TAGS = {
+    "error_norm": "loco/compression-error-norm",
+    "buffer_norm": "loco/error-buffer-norm",
+    "bytes_per_step": "loco/wire-bytes-per-step",
+    "compression_ratio": "loco/compression-ratio",
+}
+
+_INSTALLED = None  # (megatron.training.training module, original training_log, LoCoState)
+
+
+def megatron_timers():
+    """megatron.training's global ``Timers``, or None when megatron.training is not imported or
+    its globals are not set up (core-only use)."""
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is None or getattr(global_vars, "_GLOBAL_TIMERS", None) is None:
+        return None
+    return global_vars.get_timers()
+
+
+def format_fields(fig: LoCoFigures) -> str:
+    """The fields appended to Megatron's iteration line, in its `` name: value |`` style."""
+    nbytes = fig.bytes_per_step
+    nbytes = f"{int(nbytes)}" if nbytes == int(nbytes) else f"{nbytes:.1f}"
+    return (f" loco compression error norm: {fig.error_norm:.6E} |"
+            f" loco error buffer norm: {fig.buffer_norm:.6E} |"
+            f" loco wire bytes per step: {nbytes} |"
+            f" loco compression ratio: {fig.compression_ratio:.3f} |")
+
+
+def _write(fig: LoCoFigures, iteration: int) -> None:
+    from megatron.training import global_vars
+
+    values = {tag: float(getattr(fig, name)) for name, tag in TAGS.items()}
+    writer = global_vars.get_tensorboard_writer()  # last rank only
+    if writer is not None:
+        for tag, value in values.items():
+            writer.add_scalar(tag, value, iteration)
+    wandb_writer = global_vars.get_wandb_writer()
+    if wandb_writer is not None:
+        wandb_writer.log(values, iteration)
+
+
+def _is_iteration_line(message) -> bool:
+    return isinstance(message, str) and " iteration " in message and "|" in message
+
+
+@contextlib.contextmanager
+def _swapped(obj, name: str, value):
+    """Set ``obj.name`` to ``value`` for the block (instance attribute or module global)."""
+    missing = object()
+    saved = vars(obj).get(name, missing)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if saved is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, saved)
+
+
+def _with_loco_timers(method):
+    @functools.wraps(method)
+    def call(names, *args, **kwargs):
+        return method(list(names) + [n for n in TIMER_NAMES if n not in names], *args, **kwargs)
+    return call
+
+
+def _wrap_training_log(orig, module, state):
+    signature = inspect.signature(orig)
+
+    @functools.wraps(orig)
+    def training_log(*args, **kwargs):
+        if plugin.get_state() is not state or state.metrics is None:
+            return orig(*args, **kwargs)  # LoCo uninstalled since
+        state.metrics.end_step()
+        iteration = signature.bind(*args, **kwargs).arguments["iteration"]
+        print_line = module.print_rank_last
+
+        def print_rank_last(message):
+            if _is_iteration_line(message):
+                fig = state.metrics.reduce()  # collective: every rank prints through here
+                if fig is not None:
+                    message = message + format_fields(fig)
+                    _write(fig, iteration)
+            print_line(message)
+
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_swapped(module, "print_rank_last", print_rank_last))
+            timers = megatron_timers()
+            megatron_args = sys.modules["megatron.training.global_vars"].get_args()
+            if timers is not None and getattr(megatron_args, "timing_log_level", 0) >= 2:
+                for name in ("log", "write"):
+                    stack.enter_context(
+                        _swapped(timers, name, _with_loco_timers(getattr(timers, name))))
+            return orig(*args, **kwargs)
+    return training_log
+
+
+def install(state: Optional["plugin.LoCoState"] = None) -> bool:
+    """Report LoCo figures and ``loco-*`` timers through Megatron's ``training_log``.
+
+    Call after :func:`loco_megatron.install` and before ``megatron.training.pretrain``. Enables
+    :meth:`~loco_megatron.megatron.plugin.LoCoState.enable_metrics` on ``state`` (default: the
+    installed one) and points its timers at megatron.training's global timers.
+
+    Returns:
+        True when installed; False (nothing patched, nothing printed) when LoCo is off or not
+        installed.
+
+    Raises:
+        RuntimeError: already installed (call :func:`uninstall` first).
+        ImportError: ``megatron.training`` is not importable (megatron-core wheels < 0.17 need a
+            Megatron-LM checkout on ``PYTHONPATH``).
+    """
+    global _INSTALLED
+    if _INSTALLED is not None:
+        raise RuntimeError("LoCo training telemetry is already installed; call uninstall() first")
+    state = state if state is not None else plugin.get_state()
+    if state is None or not state.active:
+        return False
+    try:
+        from megatron.training import training
+    except ImportError as e:
+        raise ImportError(
+            "LoCo training telemetry needs megatron.training (megatron-core >= 0.17 wheels, or a "
+            f"Megatron-LM checkout on PYTHONPATH): {e}") from e
+    state.enable_metrics()
+    state.timers = megatron_timers
+    original = training.training_log
+    training.training_log = _wrap_training_log(original, training, state)
+    _INSTALLED = (training, original, state)
+    return True
+
+
+def uninstall() -> None:
+    """Restore Megatron's ``training_log`` and stop collecting metrics (no-op if not installed)."""
+    global _INSTALLED
+    if _INSTALLED is None:
+        return
+    training, original, state = _INSTALLED
+    training.training_log = original
+    state.metrics = state.timers = None
+    if state.compensator is not None:
+        state.compensator.metrics = None
+    _INSTALLED = None
