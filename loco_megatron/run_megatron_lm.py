@@ -19,19 +19,16 @@ and then, once the arguments are validated, ``megatron/training/global_vars.py``
 * core >= 0.18: ``parse_and_validate_args(extra_args_provider=...)`` -> the same three steps,
   then ``pretrain(cfg_container, ...)``.
 
-The wrapper hooks those two functions: ``parse_args`` gets the script's own provider chained with
-LoCo's (:func:`loco_megatron.megatron.startup.chain_args_providers`), and just before the first
-``set_global_variables`` LoCo is configured, checked and installed
-(:func:`loco_megatron.megatron.startup.install_from_args`): before any model or DDP exists.
-The steps before Megatron starts (flag check, CPU emulation without a GPU, training fixes) are
-:func:`loco_megatron.megatron.startup.prepare`, shared with :mod:`loco_megatron.pretrain_gpt`.
+:func:`loco_megatron.megatron.lm_hooks.enable_loco` hooks those two functions (the patches in
+``patches/`` call the same function from the script itself).
 """
 
-import functools
 import os
 import runpy
 import sys
 from typing import List, Optional, Tuple
+
+from .megatron.lm_hooks import enable_loco
 
 FLAG = "--megatron-lm"
 ENV = "MEGATRON_LM"
@@ -102,43 +99,6 @@ def use_checkout(path: str) -> None:
     sys.path.insert(0, path)
 
 
-def _rebind(original, replacement) -> None:
-    """Replace ``original`` by ``replacement`` in its module and wherever a loaded ``megatron``
-    module imported it by name (``from ... import parse_args``)."""
-    for name, module in list(sys.modules.items()):
-        if module is not None and (name == original.__module__ or name.startswith("megatron")) \
-                and getattr(module, original.__name__, None) is original:
-            setattr(module, original.__name__, replacement)
-
-
-def hook_megatron_arguments(emulated: bool) -> None:
-    """Chain LoCo's ``extra_args_provider`` into ``parse_args`` and install LoCo before the
-    first ``set_global_variables`` (see the module docstring). Idempotent."""
-    import megatron.training.arguments as arguments
-    import megatron.training.global_vars as global_vars
-
-    from .megatron import startup
-
-    parse_args, set_global_variables = arguments.parse_args, global_vars.set_global_variables
-    if getattr(parse_args, "_loco_hooked", False):
-        return
-    installed = []
-
-    @functools.wraps(parse_args)
-    def parse_args_with_loco(extra_args_provider=None, *args, **kwargs):
-        return parse_args(startup.chain_args_providers(extra_args_provider), *args, **kwargs)
-
-    @functools.wraps(set_global_variables)
-    def set_global_variables_with_loco(args, *rest, **kwargs):
-        if not installed:
-            installed.append(startup.install_from_args(args, emulated))
-        return set_global_variables(args, *rest, **kwargs)
-
-    parse_args_with_loco._loco_hooked = True
-    _rebind(parse_args, parse_args_with_loco)
-    _rebind(set_global_variables, set_global_variables_with_loco)
-
-
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point of ``python -m loco_megatron.run_megatron_lm``; exits 2 with one line on a
     bad checkout path or LoCo flag."""
@@ -151,8 +111,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         use_checkout(checkout)
     except CheckoutError as e:
         startup.fail(e)
-    emulated = startup.prepare(megatron_argv)
-    hook_megatron_arguments(emulated)
+    enable_loco(megatron_argv)
     import megatron.core
 
     if not os.path.abspath(megatron.core.__file__).startswith(checkout + os.sep):
