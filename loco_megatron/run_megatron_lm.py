@@ -6,8 +6,9 @@
 The checkout comes from ``--megatron-lm PATH`` (anywhere on the command line; removed before
 Megatron sees the arguments) or the ``MEGATRON_LM`` environment variable. Its directory is put
 first on ``sys.path``, so its ``megatron`` package is the one that runs (not an installed
-megatron-core wheel), then its ``pretrain_gpt.py`` runs as ``__main__`` (``runpy``) with
-``sys.argv`` set to the remaining arguments.
+megatron-core wheel; a directory holding only ``pretrain_gpt.py`` and its helper modules runs the
+installed megatron-core >= 0.17), then its ``pretrain_gpt.py`` runs as ``__main__`` (``runpy``)
+with ``sys.argv`` set to the remaining arguments. Rank 0 prints which megatron-core runs.
 
 Both entry-point styles of Megatron-LM's ``pretrain_gpt.py`` go through
 ``megatron/training/arguments.py``'s ``parse_args(extra_args_provider, ignore_unknown_args)``
@@ -23,6 +24,7 @@ and then, once the arguments are validated, ``megatron/training/global_vars.py``
 ``patches/`` call the same function from the script itself).
 """
 
+import importlib.util
 import os
 import runpy
 import sys
@@ -66,8 +68,7 @@ def resolve_checkout(flag_value: Optional[str], environ=os.environ) -> str:
     """Absolute path of the Megatron-LM checkout: ``--megatron-lm`` wins over ``MEGATRON_LM``.
 
     Raises:
-        CheckoutError: neither is set, or the directory holds no ``pretrain_gpt.py`` and
-            ``megatron/training/arguments.py``.
+        CheckoutError: neither is set, or the directory holds no ``pretrain_gpt.py``.
     """
     source, path = (FLAG, flag_value) if flag_value else (ENV, environ.get(ENV))
     if not path:
@@ -75,13 +76,18 @@ def resolve_checkout(flag_value: Optional[str], environ=os.environ) -> str:
                             f"to the root of your Megatron-LM clone (the directory holding "
                             f"{SCRIPT}).")
     path = os.path.abspath(os.path.expanduser(path))
-    missing = [rel for rel in (SCRIPT, os.path.join("megatron", "training", "arguments.py"))
-               if not os.path.isfile(os.path.join(path, rel))]
-    if missing:
-        raise CheckoutError(f"{source} {path} is not a Megatron-LM checkout ({missing[0]} not "
-                            f"found): point {source} at the root of a Megatron-LM clone, e.g. "
-                            f"`git clone https://github.com/NVIDIA/Megatron-LM`.")
+    if not os.path.isfile(os.path.join(path, SCRIPT)):
+        raise CheckoutError(f"{source} {path} is not a Megatron-LM checkout ({SCRIPT} not "
+                            f"found there): point {source} at the root of your Megatron-LM "
+                            f"clone, e.g. of `git clone https://github.com/NVIDIA/Megatron-LM`.")
     return path
+
+
+def has_own_megatron(path: str) -> bool:
+    """True when the checkout holds a ``megatron`` package (a full Megatron-LM clone); a
+    directory with only the scripts runs the installed megatron-core (>= 0.17 wheels ship
+    ``megatron.training``)."""
+    return os.path.isfile(os.path.join(path, "megatron", "core", "__init__.py"))
 
 
 def use_checkout(path: str) -> None:
@@ -92,11 +98,18 @@ def use_checkout(path: str) -> None:
         CheckoutError: ``megatron.core`` was already imported from somewhere else.
     """
     loaded = sys.modules.get("megatron.core")
-    if loaded is not None and not os.path.abspath(loaded.__file__).startswith(path + os.sep):
+    if loaded is not None and has_own_megatron(path) and not os.path.abspath(loaded.__file__).startswith(path + os.sep):
         raise CheckoutError(f"megatron.core was imported from {loaded.__file__} before the "
                             f"checkout {path} could be used: start the job with "
                             f"`python -m loco_megatron.run_megatron_lm`.")
     sys.path.insert(0, path)
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -111,13 +124,23 @@ def main(argv: Optional[List[str]] = None) -> None:
         use_checkout(checkout)
     except CheckoutError as e:
         startup.fail(e)
+    if not _importable("megatron.training"):
+        startup.fail(CheckoutError(
+            f"no megatron.training: {checkout} has no megatron/ package and the installed "
+            f"megatron-core has none (wheels before 0.17): use a full Megatron-LM clone as "
+            f"{FLAG} / {ENV}."))
     enable_loco(megatron_argv)
     import megatron.core
 
-    if not os.path.abspath(megatron.core.__file__).startswith(checkout + os.sep):
+    origin = os.path.dirname(os.path.abspath(megatron.core.__file__))
+    if has_own_megatron(checkout) and not origin.startswith(checkout + os.sep):
         startup.fail(CheckoutError(
-            f"megatron.core comes from {megatron.core.__file__}, not from the checkout "
-            f"{checkout}: does {checkout}/megatron/core/__init__.py exist?"))
+            f"megatron.core comes from {origin}, not from the checkout {checkout}: start the job "
+            f"with `python -m loco_megatron.run_megatron_lm` and nothing importing megatron "
+            f"before it."))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"> LoCo wrapper: running {os.path.join(checkout, SCRIPT)} with megatron-core "
+              f"{megatron.core.package_info.__version__} from {origin}", flush=True)
     script = os.path.join(checkout, SCRIPT)
     sys.argv = [script, *megatron_argv]
     runpy.run_path(script, run_name="__main__")
