@@ -98,7 +98,8 @@ def use_checkout(path: str) -> None:
         CheckoutError: ``megatron.core`` was already imported from somewhere else.
     """
     loaded = sys.modules.get("megatron.core")
-    if loaded is not None and has_own_megatron(path) and not os.path.abspath(loaded.__file__).startswith(path + os.sep):
+    elsewhere = loaded is not None and not os.path.abspath(loaded.__file__).startswith(path + os.sep)
+    if elsewhere and has_own_megatron(path):
         raise CheckoutError(f"megatron.core was imported from {loaded.__file__} before the "
                             f"checkout {path} could be used: start the job with "
                             f"`python -m loco_megatron.run_megatron_lm`.")

@@ -43,9 +43,10 @@ def fail(error: Exception) -> None:
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM ``extra_args_provider``: adds LoCo's command-line options to ``parser``.
 
-    The one place where LoCo options join Megatron's parser (``--loco-*`` flags from
-    :func:`loco_megatron.megatron.arguments.add_loco_args`). Adding them twice (a patched
-    ``pretrain_gpt.py`` run through the wrapper) is a no-op rather than an argparse conflict.
+    The one place where LoCo options join Megatron's parser, in every launch path (``--loco-*``
+    flags from :func:`loco_megatron.megatron.arguments.add_loco_args`). When the parser has
+    them already (a script whose own provider adds them) it is a no-op, not an argparse
+    conflict.
     """
     from .arguments import add_loco_args
 
@@ -130,4 +131,6 @@ def install_from_args(args, emulated: bool):
         fail(e)
     state = install(config)
     log_loco_startup(state, args, emulated)
+    # Anything else to set up once per job from the validated args (e.g. the training-log
+    # telemetry) goes here: every launch path runs this function exactly once.
     return state

@@ -41,15 +41,13 @@ def build_helper_with_this_python(datasets_dir: str) -> int:
     from this interpreter (pybind11 is a dependency of loco-megatron) and passed to make.
     """
     import subprocess
-    import sys
     import sysconfig
 
     import pybind11
 
     includes = f"-I{sysconfig.get_paths()['include']} -I{pybind11.get_include()}"
     return subprocess.run(["make", "-C", datasets_dir, f"CPPFLAGS={includes}",
-                           f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"],
-                          stdout=sys.stdout, stderr=sys.stderr).returncode
+                           f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"]).returncode
 
 
 def skip_helper_build_when_prebuilt() -> None:
