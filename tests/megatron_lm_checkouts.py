@@ -66,6 +66,11 @@ def real_checkout(which: str, tmp_path_factory) -> Path:
     return extract_tag(which, tmp_path_factory.mktemp(which))
 
 
+#: the release tags with a patch in patches/ (the last of each minor release, 0.13 to 0.19)
+TAGS = sorted(p.stem for p in (ROOT / "patches").glob("core_v*.patch"))
+
+
 def real_checkout_params():
-    """The checkouts to test: the user's clone if ``MEGATRON_LM`` is set, else two tags."""
-    return ["MEGATRON_LM"] if os.environ.get("MEGATRON_LM") else ["core_v0.19.0", "core_v0.16.1"]
+    """The checkouts to test: the user's clone if ``MEGATRON_LM`` is set, else every tag
+    of ``patches/``."""
+    return ["MEGATRON_LM"] if os.environ.get("MEGATRON_LM") else TAGS
