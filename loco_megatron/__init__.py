@@ -27,4 +27,13 @@ def uninstall() -> None:
     _uninstall()
 
 
-__all__ = ["LoCoConfig", "LoCoConfigError", "install", "uninstall", "__version__"]
+def enable_megatron_lm(argv=None) -> None:
+    """See :func:`loco_megatron.megatron.lm_hooks.enable_loco` (called by the patched
+    Megatron-LM ``pretrain_gpt.py`` of ``patches/``)."""
+    from .megatron.lm_hooks import enable_loco
+
+    enable_loco(argv)
+
+
+__all__ = ["LoCoConfig", "LoCoConfigError", "enable_megatron_lm", "install", "uninstall",
+           "__version__"]

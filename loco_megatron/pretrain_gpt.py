@@ -11,9 +11,7 @@ Run with ``python -m torch.distributed.run --nproc-per-node N -m loco_megatron.p
 """
 
 import logging
-import os
 import sys
-import time
 import warnings
 from functools import partial
 
@@ -145,62 +143,23 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
 train_valid_test_datasets_provider.is_distributed = True
 
 
-def _fail(error: Exception) -> None:
-    """Exit with a one-line error (printed by global rank 0 only), no traceback.
-
-    Every rank finds the same error; the others wait (up to 30 s) before exiting so that the
-    launcher does not tear rank 0 down before it has printed: torchrun stops the remaining
-    workers as soon as one exits non-zero.
-    """
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(30)
-    sys.exit(2)
-
-
 def main() -> None:
-    """Parse Megatron + LoCo flags, install LoCo, run ``megatron.training.pretrain``."""
-    from .config import LoCoConfigError
-    from .megatron.arguments import check_megatron_args, preparse_loco_config
-    from .megatron.yaml_config import expand_config_argv
+    """Parse Megatron + LoCo flags, install LoCo, run ``megatron.training.pretrain``.
 
-    try:
-        sys.argv[1:] = expand_config_argv(sys.argv[1:])  # --config FILE: its flags, CLI after
-        preparse_loco_config(sys.argv[1:])  # bad --loco-* values fail before Megatron starts
-    except LoCoConfigError as e:
-        _fail(e)
-    from .emulation import activate_if_no_gpu
-    from .megatron import training_fixes
+    The LoCo steps are :mod:`loco_megatron.megatron.startup`'s, shared with the wrapper around
+    a Megatron-LM checkout (:mod:`loco_megatron.run_megatron_lm`).
+    """
+    from .megatron import startup
 
-    emulated = activate_if_no_gpu()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    training_fixes.skip_helper_build_when_prebuilt()
-    training_fixes.init_torch_optimizer_states_before_load()
-    training_fixes.fix_torch_adamw_resume()
-    if emulated:
-        training_fixes.skip_jit_warmup()
+    emulated = startup.prepare()  # also expands --config FILE in sys.argv
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from . import install
-    from .megatron.arguments import add_loco_args, config_from_args
-    from .megatron import training_telemetry
-    from .megatron.telemetry import log_loco_startup
-
-    args = parse_and_validate_args(extra_args_provider=add_loco_args)
-    try:
-        config = config_from_args(args)
-        check_megatron_args(args, config)
-    except LoCoConfigError as e:
-        _fail(e)
-    state = install(config)
-    training_telemetry.install(state)  # LoCo fields on the iteration line, TensorBoard, timers
-    log_loco_startup(state, args, emulated)
+    args = parse_and_validate_args(extra_args_provider=startup.extra_args_provider)
+    startup.install_from_args(args, emulated)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*recommended to use a ModelConfig.*")
         cfg = pretrain_cfg_container_from_args(args, None)

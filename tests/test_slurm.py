@@ -30,28 +30,51 @@ def _expected(node_rank: int, nnodes: int, gpus: int, out_dir: str):
             f"{out_dir}/tensorboard", "--loco-bits", "4", *USER_FLAGS]
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
-def test_dry_run_2_nodes_x_8_gpus(tmp_path):
+def _fake_slurm_env(tmp_path, **extra):
+    """A 2-node allocation gpu-a[001-002] x 8 GPUs, job 4242, with a fake ``scontrol``."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"  # fake: `scontrol show hostnames <nodelist>`
     scontrol.write_text('#!/bin/bash\n[ "$1 $2 $3" = "show hostnames gpu-a[001-002]" ] '
                         '&& printf "gpu-a001\\ngpu-a002\\n"\n')
     scontrol.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NNODES",
-                                                                   "NODE_RANK", "GPUS_PER"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(
+        ("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "GPUS_PER", "MEGATRON_LM", "LOCO_PYTHON"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", LOCO_DRY_RUN="1", SLURM_JOB_ID="4242",
                SLURM_JOB_NODELIST="gpu-a[001-002]", SLURM_NNODES="2", SLURM_GPUS_ON_NODE="8",
-               SLURM_SUBMIT_DIR=str(ROOT))
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / "pretrain.sbatch"), *USER_FLAGS],
+               SLURM_SUBMIT_DIR=str(ROOT), **extra)
+    return env
+
+
+def _node_commands(env, flags):
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "pretrain.sbatch"), *flags],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("node ")]
-    out_dir = f"{ROOT}/runs/slurm-4242"
-    assert [shlex.split(ln.split(":", 1)[1]) for ln in lines] == [
-        _expected(rank, 2, 8, out_dir) for rank in (0, 1)]
     assert [ln.split(":", 1)[0] for ln in lines] == ["node 0", "node 1"]
+    return [shlex.split(ln.split(":", 1)[1]) for ln in lines]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_dry_run_2_nodes_x_8_gpus(tmp_path):
+    commands = _node_commands(_fake_slurm_env(tmp_path), USER_FLAGS)
+    out_dir = f"{ROOT}/runs/slurm-4242"
+    assert commands == [_expected(rank, 2, 8, out_dir) for rank in (0, 1)]
     assert not Path(out_dir).exists()  # a dry run creates nothing
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_dry_run_megatron_lm_checkout_2_nodes_x_8_gpus(tmp_path):
+    """MEGATRON_LM set: each node runs the wrapper on the checkout with the user's flags only."""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    flags = ["--num-layers", "32", "--use-distributed-optimizer", "--loco-bits", "4"]
+    commands = _node_commands(_fake_slurm_env(tmp_path, MEGATRON_LM=str(checkout)), flags)
+    assert commands == [
+        [f"{ROOT}/.venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2",
+         "--node-rank", str(rank), "--nproc-per-node", "8", "--master-addr", "gpu-a001",
+         "--master-port", "29517", "-m", "loco_megatron.run_megatron_lm", "--megatron-lm",
+         str(checkout), *flags] for rank in (0, 1)]
 
 
 def test_refuses_to_run_outside_slurm():
@@ -60,3 +83,11 @@ def test_refuses_to_run_outside_slurm():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert "run under Slurm (sbatch/salloc): SLURM_JOB_NODELIST is not set" in proc.stderr
+
+
+def test_megatron_lm_node_refuses_a_missing_checkout():
+    env = dict(os.environ, MEGATRON_LM="/nonexistent/Megatron-LM", LOCO_DRY_RUN="1")
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / "megatron_lm_node.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "MEGATRON_LM=/nonexistent/Megatron-LM is not a directory" in proc.stderr

@@ -3,7 +3,8 @@
 * The 0.19.2 wheel ships the compiled dataset helper (``helpers_cpp*.so``) but not its
   Makefile, while ``megatron.training.initialize._compile_dependencies`` always runs ``make`` on
   rank 0 and exits when it fails: :func:`skip_helper_build_when_prebuilt` keeps the build only
-  when the prebuilt helper is missing (any hardware).
+  when the prebuilt helper is missing (any hardware), and in a Megatron-LM checkout builds it
+  for the running interpreter (:func:`build_helper_with_this_python`).
 * Without TE/apex, ``--load`` fails before the first optimizer step
   (:func:`init_torch_optimizer_states_before_load`).
 * Without TE/apex, resuming is not exact and the ``torch`` format cannot be loaded
@@ -30,8 +31,29 @@ def prebuilt_helper_available() -> bool:
         return False
 
 
+def build_helper_with_this_python(datasets_dir: str) -> int:
+    """Run the dataset helper's ``Makefile`` (a Megatron-LM checkout) for the running
+    interpreter; returns make's exit status.
+
+    The Makefile asks ``python3 -m pybind11 --includes`` and ``python3-config
+    --extension-suffix``, i.e. whichever ``python3`` is first on PATH, which in a virtual
+    environment is often another interpreter without pybind11. The same two values are taken
+    from this interpreter (pybind11 is a dependency of loco-megatron) and passed to make.
+    """
+    import subprocess
+    import sysconfig
+
+    import pybind11
+
+    includes = f"-I{sysconfig.get_paths()['include']} -I{pybind11.get_include()}"
+    return subprocess.run(["make", "-C", datasets_dir, f"CPPFLAGS={includes}",
+                           f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"]).returncode
+
+
 def skip_helper_build_when_prebuilt() -> None:
-    """Make ``compile_helpers()`` a no-op when the compiled dataset helper is importable."""
+    """Make ``compile_helpers()`` a no-op when the compiled dataset helper is importable; in a
+    Megatron-LM checkout without it, build it for this interpreter
+    (:func:`build_helper_with_this_python`), falling back to megatron's own build."""
     import megatron.core.datasets.utils as dataset_utils
 
     original = dataset_utils.compile_helpers
@@ -40,6 +62,10 @@ def skip_helper_build_when_prebuilt() -> None:
 
     def compile_helpers():
         if prebuilt_helper_available():
+            return
+        datasets_dir = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+        if os.path.isfile(os.path.join(datasets_dir, "Makefile")) and \
+                build_helper_with_this_python(datasets_dir) == 0:
             return
         original()
 
@@ -121,6 +147,8 @@ def fix_torch_adamw_resume() -> None:
     set_states, load_state_dict = cls._set_main_param_and_optimizer_states, cls.load_state_dict
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if not hasattr(self, "optimizer_state_keys"):  # Megatron-LM checkouts before 0.17
+            return set_states(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         saved = ("param", *self.optimizer_state_keys)  # never the per-parameter "step"

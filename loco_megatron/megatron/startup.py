@@ -1,0 +1,150 @@
+"""LoCo's start-up sequence around Megatron's training entry, shared by every way of launching.
+
+Used by the main job (:mod:`loco_megatron.pretrain_gpt`), the wrapper around a user's Megatron-LM
+checkout (:mod:`loco_megatron.run_megatron_lm`) and the patched ``pretrain_gpt.py`` of
+``patches/``, so that they cannot drift apart:
+
+1. :func:`prepare` - before Megatron starts: the ``--loco-*`` flags are checked (a bad value
+   fails within a second), the CPU emulation is switched on when there is no GPU, and the
+   workarounds of :mod:`.training_fixes` are applied.
+2. Megatron parses its arguments with :func:`extra_args_provider` chained into its own
+   ``extra_args_provider`` (Megatron-LM megatron/training/arguments.py ``parse_args``).
+3. :func:`install_from_args` - after Megatron has parsed and validated them, before the model
+   and DDP are built: :func:`loco_config` builds the :class:`~loco_megatron.LoCoConfig`, the
+   combination is checked, LoCo is installed and the start-up line is logged.
+
+Every :class:`~loco_megatron.config.LoCoConfigError` ends the job with :func:`fail` (one line,
+no traceback).
+"""
+
+import argparse
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+from ..config import LoCoConfig, LoCoConfigError
+
+
+def fail(error: Exception) -> None:
+    """Exit with status 2 and a one-line ``error: ...`` (printed by global rank 0 only).
+
+    Every rank finds the same error; the others wait (up to 30 s) before exiting so that the
+    launcher does not tear rank 0 down before it has printed: torchrun stops the remaining
+    workers as soon as one exits non-zero.
+    """
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(30)
+    sys.exit(2)
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM ``extra_args_provider``: adds LoCo's command-line options to ``parser``.
+
+    The one place where LoCo options join Megatron's parser, in every launch path (``--loco-*``
+    flags from :func:`loco_megatron.megatron.arguments.add_loco_args`). When the parser has
+    them already (a script whose own provider adds them) it is a no-op, not an argparse
+    conflict.
+    """
+    from .arguments import add_loco_args
+
+    if "--loco-bits" in getattr(parser, "_option_string_actions", {}):
+        return parser
+    return add_loco_args(parser)
+
+
+def chain_args_providers(user_provider):
+    """``extra_args_provider`` that applies ``user_provider`` (may be None) then LoCo's."""
+    if user_provider is None:
+        return extra_args_provider
+
+    def provider(parser):
+        result = user_provider(parser)
+        return extra_args_provider(parser if result is None else result)
+
+    return provider
+
+
+def loco_config(args) -> LoCoConfig:
+    """The :class:`LoCoConfig` of a parsed Megatron args namespace.
+
+    The one place where LoCo settings are read back (flags; defaults for what is absent, e.g.
+    after ``--yaml-cfg`` replaced the namespace).
+
+    Raises:
+        LoCoConfigError: invalid values, naming the flag.
+    """
+    from .arguments import config_from_args
+
+    return config_from_args(args)
+
+
+def prepare(argv: Optional[Sequence[str]] = None) -> bool:
+    """Before Megatron starts: expand ``--config FILE`` (YAML, :mod:`.yaml_config`), check the
+    ``--loco-*`` flags, switch the CPU emulation on when there is no GPU, apply
+    :mod:`.training_fixes`.
+
+    ``argv`` None (the launch paths) means Megatron's own ``sys.argv[1:]``, expanded in place so
+    that Megatron's parser sees the file's flags before the command line's (CLI > YAML >
+    defaults); an explicit ``argv`` is only checked.
+
+    The ``megatron`` package that will run must already be importable (for a checkout: its
+    directory first on ``sys.path``). Exits through :func:`fail` on a bad LoCo flag.
+
+    Returns:
+        True when the CPU emulation is active (no GPU).
+    """
+    from .arguments import preparse_loco_config
+    from .yaml_config import expand_config_argv
+
+    try:
+        if argv is None:
+            sys.argv[1:] = expand_config_argv(sys.argv[1:])  # --config FILE: its flags, CLI after
+            argv = sys.argv[1:]
+        else:
+            argv = expand_config_argv(list(argv))
+        preparse_loco_config(argv)  # bad --loco-* values fail before Megatron starts
+    except LoCoConfigError as e:
+        fail(e)
+    from ..emulation import activate_if_no_gpu
+    from . import training_fixes
+
+    emulated = activate_if_no_gpu()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    training_fixes.skip_helper_build_when_prebuilt()
+    training_fixes.init_torch_optimizer_states_before_load()
+    training_fixes.fix_torch_adamw_resume()
+    if emulated:
+        training_fixes.skip_jit_warmup()
+    return emulated
+
+
+def install_from_args(args, emulated: bool):
+    """After Megatron parsed and validated ``args``, before the model/DDP is built: build and
+    check the LoCo config, install LoCo, log the start-up line (rank 0).
+
+    Exits through :func:`fail` on an invalid setting or combination.
+
+    Returns:
+        The :class:`~loco_megatron.megatron.plugin.LoCoState` of :func:`loco_megatron.install`.
+    """
+    from .. import install
+    from .arguments import check_megatron_args
+    from .telemetry import log_loco_startup
+
+    try:
+        config = loco_config(args)
+        check_megatron_args(args, config)
+    except LoCoConfigError as e:
+        fail(e)
+    state = install(config)
+    log_loco_startup(state, args, emulated)
+    # Once per job, in every launch path: LoCo fields on the iteration line, TensorBoard, timers
+    # (wraps the training loop's training_log of the megatron package that runs).
+    from . import training_telemetry
+
+    training_telemetry.install(state)
+    return state
