@@ -130,7 +130,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"no megatron.training: {checkout} has no megatron/ package and the installed "
             f"megatron-core has none (wheels before 0.17): use a full Megatron-LM clone as "
             f"{FLAG} / {ENV}."))
-    enable_loco(megatron_argv)
+    script = os.path.join(checkout, SCRIPT)
+    sys.argv = [script, *megatron_argv]
+    enable_loco()  # expands --config FILE in sys.argv, checks the --loco-* flags
     import megatron.core
 
     origin = os.path.dirname(os.path.abspath(megatron.core.__file__))
@@ -142,8 +144,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"> LoCo wrapper: running {os.path.join(checkout, SCRIPT)} with megatron-core "
               f"{megatron.core.package_info.__version__} from {origin}", flush=True)
-    script = os.path.join(checkout, SCRIPT)
-    sys.argv = [script, *megatron_argv]
     runpy.run_path(script, run_name="__main__")
 
 

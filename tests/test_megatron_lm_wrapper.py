@@ -78,13 +78,18 @@ def _assert_trained(out):
     iterations = ITERATION.findall(out)
     assert [i for i, _ in iterations] == ["1", "2", "3"], out[-6000:]
     assert all(0 < float(loss) < 20 for _, loss in iterations)
+    # the training-log telemetry is installed in this launch path too (docs/telemetry.md)
+    assert len(re.findall(r"\| loco compression error norm: [0-9.E+-]+ \|", out)) == 3, out[-6000:]
 
 
 @pytest.mark.parametrize("style", ["new_style", "old_style"])
 def test_synthetic_checkout_trains_with_loco(tmp_path, style):
     checkout = _synthetic_checkout(tmp_path, NEW_STYLE if style == "new_style" else OLD_STYLE)
-    rc, out = torchrun(WRAPPER, ["--megatron-lm", str(checkout), *CPU_FLAGS, *TINY_GPT,
-                                 "--use-distributed-optimizer", "--loco-bits", "4",
+    loco = ["--use-distributed-optimizer", "--loco-bits", "4"]
+    if style == "new_style":  # the same settings from a --config YAML file (docs/configs.md)
+        (tmp_path / "loco.yaml").write_text("use-distributed-optimizer: true\nloco:\n  bits: 4\n")
+        loco = ["--config", str(tmp_path / "loco.yaml")]
+    rc, out = torchrun(WRAPPER, ["--megatron-lm", str(checkout), *CPU_FLAGS, *TINY_GPT, *loco,
                                  "--user-flag", "7"])
     assert rc == 0, out[-6000:]
     assert "user flag 7, loco bits 4" in out  # both providers' flags parsed
