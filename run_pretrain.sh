@@ -17,6 +17,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash install.sh
 PY=.venv/bin/python
+# megatron-core < 0.17 has no megatron.training: say so before preparing the corpus.
+"$PY" -c 'import sys; from loco_megatron.megatron.compat import missing_megatron_training as m
+sys.exit(m("run_pretrain.sh") and "error: " + m("run_pretrain.sh"))'
 
 user_data=0
 for a in "$@"; do

@@ -162,8 +162,13 @@ def _fail(error: Exception) -> None:
 def main() -> None:
     """Parse Megatron + LoCo flags, install LoCo, run ``megatron.training.pretrain``."""
     from .config import LoCoConfigError
+    from .megatron import compat
     from .megatron.arguments import check_megatron_args, preparse_loco_config
 
+    try:
+        compat.require_megatron_training()  # megatron-core < 0.17: needs a Megatron-LM checkout
+    except RuntimeError as e:
+        _fail(e)
     try:
         preparse_loco_config(sys.argv[1:])  # bad --loco-* values fail before Megatron starts
     except LoCoConfigError as e:
