@@ -3,7 +3,8 @@
 # and this package with its test extras. Idempotent; fast when everything is already installed.
 #   VENV=path (default .venv)   PYTHON=python3.12 interpreter to use
 # Compatibility legs (docs/compatibility.md), e.g. megatron-core 0.16.1 on Python 3.11:
-#   PYTHON=python3.11 MCORE_VERSION=0.16.1 VENV=.venv-py311-mcore0.16 bash install.sh
+#   PYTHON=python3.11 MCORE_VERSION=0.16.1 VENV=.venv-py311 bash install.sh
+#   (run again with another MCORE_VERSION to switch that venv's megatron-core in place)
 #   MCORE_VERSION=0.13.1 | 0.16.1 | ... (default: the newest 0.19.x)
 #   TORCH_VERSION=2.13.0 (default on Python 3.11: the CPU build on local disk; on 3.12: any)
 set -euo pipefail
@@ -39,7 +40,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 stamp="$VENV/.loco-installed"
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ install.sh -nt "$stamp" ]; then
+# The stamp holds the versions asked for (empty by default), so a venv is switched in place when
+# MCORE_VERSION / TORCH_VERSION change (the CI's compatibility legs share one Python 3.11 venv).
+want="${MCORE_VERSION:+megatron-core==$MCORE_VERSION}${TORCH_VERSION:+ torch==$TORCH_VERSION}"
+[ -z "${MCORE_VERSION:-}" ] && want=""
+if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ install.sh -nt "$stamp" ] \
+   || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first: from the package index (its CUDA build also runs on CPU), or the pinned version.
   if [ -n "$TORCH_VERSION" ]; then
     "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null \
@@ -50,5 +56,5 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ install.sh -nt "$stamp" ]
   echo "install.sh: installing loco-megatron with $MCORE_SPEC and its dependencies" >&2
   # A pinned torch stays as installed above (keeps pip from replacing it with a CUDA build).
   "${PIP[@]}" -e ".[test]" "$MCORE_SPEC" ${TORCH_VERSION:+"torch==$TORCH_VERSION"}
-  touch "$stamp"
+  printf '%s' "$want" > "$stamp"
 fi
