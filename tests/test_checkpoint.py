@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loco_megatron.megatron import compat
+from tests.markers import requires_loco_tensor_parallel
 
 from tests.ckpt_worker import ckpt_worker
 from tests.multiproc import run_ranks
@@ -67,11 +68,7 @@ def test_resume_bit_identical_tp1_dp2(saved):
             _assert_resumed_exactly(straight, first, loads[rank][i])
 
 
-@pytest.mark.xfail(not compat.has_megatron_training(), strict=False, reason=(
-    "megatron-core 0.13.1 / 0.16.1: the torch_dist resume at TP2xDP2 with LoCo 4-bit is not "
-    "bit-exact (first resumed loss off by ~1e-5 relative) although LoCo's error buffers and "
-    "step counters are restored bit for bit, the torch format is exact and LoCo off is exact; "
-    "open, see docs/compatibility.md"))
+@requires_loco_tensor_parallel
 def test_resume_bit_identical_tp2_dp2(tmp_path):
     d = str(tmp_path)
     saves = run_ranks(ckpt_worker, 4, 2, _save_jobs(d))

@@ -38,3 +38,21 @@ def test_main_job_without_megatron_training_fails_early_naming_the_checkout_wrap
     for part in (f"megatron.training, which is not in this megatron-core {version} wheel",
                  "python -m loco_megatron.run_megatron_lm --megatron-lm", "MEGATRON_LM="):
         assert part in err, err
+
+
+@pytest.mark.parametrize("version,tp,refused", [
+    ((0, 16, 1), 2, True), ((0, 13, 1), 4, True), ((0, 16, 1), 1, False), ((0, 19, 2), 2, False)])
+def test_tensor_parallel_refused_before_0_19(monkeypatch, version, tp, refused):
+    from megatron.core import parallel_state as ps
+
+    from loco_megatron.config import LoCoConfigError
+
+    monkeypatch.setattr(compat, "megatron_core_version", lambda: version)
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: tp)
+    if not refused:
+        compat.check_loco_tensor_parallel()
+        return
+    with pytest.raises(LoCoConfigError, match=f"--tensor-model-parallel-size {tp} needs "
+                                              f"megatron-core >= 0.19"):
+        compat.check_loco_tensor_parallel()

@@ -107,6 +107,7 @@ def _wrap_ddp_init(orig):
         if state is None or not state.active:
             return
         check_ddp_config(self.ddp_config)
+        compat.check_loco_tensor_parallel()
         chunk = state.num_chunks
         state.num_chunks += 1
         for buf_idx, buffer in enumerate(compat.ddp_buffers(self)):
