@@ -19,6 +19,9 @@ caller_dir=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")"
 bash install.sh
 PY=.venv/bin/python
+# megatron-core < 0.17 has no megatron.training: say so before preparing the corpus.
+"$PY" -c 'import sys; from loco_megatron.megatron.compat import missing_megatron_training as m
+sys.exit(m("run_pretrain.sh") and "error: " + m("run_pretrain.sh"))'
 
 # --config FILE (YAML; docs/configs.md; a relative FILE is found from where you ran this script)
 # is expanded here, so the file's flags come after this script's defaults and before your other

@@ -12,7 +12,10 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.19,<0.20",
+        # Supported range (docs/compatibility.md): 0.19.x on Python 3.12 (with megatron.training),
+        # 0.13.x-0.16.x on Python 3.11 (the plugin; the main job needs a Megatron-LM checkout).
+        # install.sh pins 0.19.x by default, MCORE_VERSION=... for the other legs.
+        "megatron-core>=0.13,<0.20",
         "numpy",
         "PyYAML",
         "tokenizers",
@@ -27,8 +30,14 @@ setup(
         "tensorboard",  # --tensorboard-dir (megatron.training writes it when importable)
         "pybind11",  # building the dataset helper when megatron.training compiles it
     ],
+    # Optional GPU extras. Transformer Engine: `pip install -e ".[te]"` (builds against the local
+    # CUDA toolkit). NVIDIA apex is NOT offered here and must never be installed from the package
+    # index: the index's `apex` is an unrelated project. Build apex from NVIDIA's source,
+    # https://github.com/NVIDIA/apex, with CUDA (see its README; docs/compatibility.md). The plugin
+    # works with or without either: it acts on megatron-core's gradient buffer.
     extras_require={
         "test": ["pytest", "hypothesis"],
+        "te": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": []},
 )

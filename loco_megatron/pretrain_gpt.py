@@ -149,7 +149,12 @@ def main() -> None:
     The LoCo steps are :mod:`loco_megatron.megatron.startup`'s, shared with the wrapper around
     a Megatron-LM checkout (:mod:`loco_megatron.run_megatron_lm`).
     """
-    from .megatron import startup
+    from .megatron import compat, startup
+
+    try:
+        compat.require_megatron_training()  # megatron-core < 0.17: needs a Megatron-LM checkout
+    except RuntimeError as e:
+        startup.fail(e)
 
     emulated = startup.prepare()  # also expands --config FILE in sys.argv
 

@@ -2,7 +2,8 @@
 megatron-core's own checkpoint calls, as ``megatron.training.checkpointing`` makes them.
 
 ``fmt="torch"``: ``DistributedOptimizer.state_dict`` + ``save_parameter_state`` (and the load
-counterparts); ``fmt="torch_dist"``: ``sharded_state_dict`` (``dp_reshardable``) +
+counterparts); ``fmt="torch_dist"``: ``sharded_state_dict`` (``dp_reshardable``; on
+megatron-core 0.13/0.14, which lack it, ``fully_sharded_model_space``) +
 ``dist_checkpointing.save`` / ``load``.
 """
 
@@ -11,9 +12,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from loco_megatron.megatron import compat
 from tests.megatron_worker import build_gpt, forward_backward, setup
 
-SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+def _sharding():
+    return {"distrib_optim_sharding_type": compat.reshardable_sharding_type()}
 
 
 def _torch_paths(ckpt_dir):
@@ -38,7 +42,7 @@ def save(model, opt, fmt, ckpt_dir):
         return
     os.makedirs(ckpt_dir, exist_ok=True)
     model_sd = model.module.sharded_state_dict()
-    metadata = {**SHARDING, "dp_cp_group": ps.get_data_parallel_group()}
+    metadata = {**_sharding(), "dp_cp_group": ps.get_data_parallel_group()}
     dist_checkpointing.save({"model": model_sd,
                              "optimizer": opt.sharded_state_dict(model_sd, metadata=metadata)},
                             ckpt_dir)
@@ -50,8 +54,7 @@ def load(model, opt, fmt, ckpt_dir):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    for o in getattr(opt, "chained_optimizers", [opt]):
-        o._init_optimizer_states_with_dummy_values()
+    compat.init_optimizer_states_for_load(opt)
     if fmt == "torch":
         common, param_state = _torch_paths(ckpt_dir)
         state = torch.load(common, weights_only=False)
@@ -60,7 +63,7 @@ def load(model, opt, fmt, ckpt_dir):
         opt.load_parameter_state(param_state)
         return
     model_sd = model.module.sharded_state_dict()
-    metadata = {**SHARDING, "dp_cp_group": ps.get_data_parallel_group()}
+    metadata = {**_sharding(), "dp_cp_group": ps.get_data_parallel_group()}
     sd = {"model": model_sd,
           "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
     loaded = dist_checkpointing.load(sd, ckpt_dir)
@@ -118,6 +121,9 @@ def _run_job(job, records):
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
                 error = f"{type(e).__name__}: {e}"
+                if os.environ.get("LOCO_TEST_TRACEBACK"):
+                    import traceback
+                    traceback.print_exc()
             failed = torch.tensor([error is not None], dtype=torch.int32)
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)  # no rank trains on if one failed
             if failed.item():

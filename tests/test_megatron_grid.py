@@ -7,10 +7,12 @@ least ``world`` GPUs are present (``-m gpu``).
 import pytest
 import torch
 
+from .markers import requires_loco_tensor_parallel
 from .megatron_worker import grid_worker
 from .multiproc import run_ranks
 
-GRIDS = [pytest.param(1, 2, id="TP1xDP2"), pytest.param(2, 4, id="TP2xDP2")]
+GRIDS = [pytest.param(1, 2, id="TP1xDP2"),
+         pytest.param(2, 4, id="TP2xDP2", marks=requires_loco_tensor_parallel)]
 
 
 def _gpus() -> int:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from .markers import requires_megatron_training
+
+pytestmark = requires_megatron_training
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = ["--train-iters", "4", "--lr-warmup-iters", "1", "--log-interval", "1",
          "--eval-interval", "4", "--eval-iters", "1", "--seq-length", "64",

@@ -4,6 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from .markers import requires_megatron_training
+
+pytestmark = requires_megatron_training
+
 
 @pytest.mark.parametrize("flags,expect_dummy_step", [
     ({}, True),                       # resuming: states must exist before megatron builds the load template

@@ -225,10 +225,9 @@ def activate() -> None:
     mcore_random = sys.modules.get("megatron.core.tensor_parallel.random")
     if mcore_random is not None:  # imported before activation: it holds its own _lazy_call
         _patch(mcore_random, "_lazy_call", cuda._lazy_call)
-    try:
-        import megatron.core.tensor_parallel.random as mcore_random
-    except ImportError:
-        mcore_random = None
+    from ..megatron.compat import tensor_parallel_random_module
+
+    mcore_random = tensor_parallel_random_module()
     if mcore_random is not None:  # random fills inside fork() are device ops
         tracker = mcore_random.CudaRNGStatesTracker
         _patch(tracker, "fork", _counting_fork(tracker.fork))

@@ -24,15 +24,11 @@ from typing import Dict, Iterator, List
 
 import torch
 
+from . import compat
 from .ckpt_state import OptimizerLoCo, apply
 
 REQUEST = "__loco__"
-
-
-def _mapping():
-    from megatron.core.dist_checkpointing import mapping
-
-    return mapping
+_mapping = compat.dist_checkpointing_mapping
 
 
 def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
@@ -48,6 +44,8 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
         return {REQUEST: m.LocalNonpersistentObject(request),
                 "meta": m.ShardedObject(meta_key, None, (1,), (0,), replica_id=(0, 0, rank))}
     meta = view.meta()
+    if not compat.supports_uneven_sharded_tensors():  # megatron-core < 0.15: exact form only
+        meta["forms"] = [f for f in meta["forms"] if f != "sum"]
     entry = {"meta": m.ShardedObject(meta_key, meta, (1,), (0,), replica_id=(0, 0, rank)),
              "exact": {}, "sum": {}}
     if "exact" not in meta["forms"]:
@@ -58,6 +56,8 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
             field: m.ShardedTensor.from_rank_offsets(f"{base}.exact.{field}", t, (0, rank, world),
                                                      replica_id=0, prepend_axis_num=1)
             for field, t in view.exact(ref).items()}
+        if "sum" not in meta["forms"]:
+            continue
         values = view.summed_shard(ref)
         if values.numel():
             entry["sum"][ref.name] = _sum_tensor(f"{base}.error_sum", values, ref.numel_unpadded,
@@ -90,9 +90,7 @@ def resolve_requests(sharded_state_dict, checkpoint_dir) -> int:
     requests = list(_requests(sharded_state_dict))
     if not requests:
         return 0
-    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
-
-    saved = load_sharded_metadata(str(checkpoint_dir))
+    saved = compat.load_sharded_metadata(str(checkpoint_dir))
     for entry in requests:
         wrapped = entry[REQUEST]
         req = dict(wrapped.obj if isinstance(wrapped, m.LocalNonpersistentObject) else wrapped)

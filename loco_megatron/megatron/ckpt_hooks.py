@@ -17,9 +17,8 @@ state is ignored; nothing is saved and training is untouched.
 """
 
 import functools
-import importlib
 
-from . import ckpt_dist, ckpt_torch
+from . import ckpt_dist, ckpt_torch, compat
 from .ckpt_state import OptimizerLoCo
 
 
@@ -66,8 +65,7 @@ def _wrap_load_state_dict(orig):
 
 
 def _distributed_optimizers(optimizer):
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
+    DistributedOptimizer = compat.distributed_optimizer_class()
     chain = getattr(optimizer, "chained_optimizers", [optimizer])
     return [(i, opt) for i, opt in enumerate(chain) if isinstance(opt, DistributedOptimizer)
             and not getattr(opt, "is_stub_optimizer", False)]
@@ -110,11 +108,8 @@ def _wrap_dist_load(orig):
 
 def patches():
     """``[(owner, attribute, wrapper factory)]`` that :func:`loco_megatron.install` applies."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import ChainedOptimizer
-
-    dist_ckpt = importlib.import_module("megatron.core.dist_checkpointing")
-    serialization = importlib.import_module("megatron.core.dist_checkpointing.serialization")
+    DistributedOptimizer = compat.distributed_optimizer_class()
+    ChainedOptimizer = compat.chained_optimizer_class()
     return [
         (DistributedOptimizer, "sharded_state_dict", _wrap_sharded_state_dict),
         (DistributedOptimizer, "load_state_dict", _wrap_load_state_dict),
@@ -126,6 +121,4 @@ def patches():
          functools.partial(_wrap_save_parameter_state, chained=True)),
         (ChainedOptimizer, "load_parameter_state",
          functools.partial(_wrap_load_parameter_state, chained=True)),
-        (dist_ckpt, "load", _wrap_dist_load),
-        (serialization, "load", _wrap_dist_load),
-    ]
+    ] + [(owner, "load", _wrap_dist_load) for owner in compat.dist_checkpointing_load_owners()]

@@ -124,15 +124,15 @@ def _wrap_ddp_init(orig):
         if state is None or not state.active:
             return
         check_ddp_config(self.ddp_config)
+        compat.check_loco_tensor_parallel()
         chunk = state.num_chunks
         state.num_chunks += 1
-        buffers = list(self.buffers) + list(getattr(self, "expert_parallel_buffers", []))
-        for buf_idx, buffer in enumerate(buffers):
+        for buf_idx, buffer in enumerate(compat.ddp_buffers(self)):
             for bucket in buffer.buckets:
                 bucket.loco_key = (chunk, buf_idx, bucket.bucket_id)
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
-        groups = list(self.bucket_groups) + list(getattr(self, "expert_parallel_bucket_groups", []))
+        groups = compat.ddp_bucket_groups(self)
         log_chunk_layout(chunk, state.config, [
             (state.layout_for(bucket, group.intra_distributed_optimizer_instance_size),
              bucket.grad_data.element_size())
@@ -145,8 +145,7 @@ def _wrap_start_grad_sync(orig):
     @functools.wraps(orig)
     def start_grad_sync(self, *args, **kwargs):
         state = _STATE
-        force_all_reduce = kwargs.get("force_all_reduce", args[0] if args else False)
-        if (state is None or not state.active or force_all_reduce
+        if (state is None or not state.active or compat.force_all_reduce(args, kwargs)
                 or not self.ddp_config.use_distributed_optimizer
                 or self.intra_distributed_optimizer_instance_size == 1):
             return orig(self, *args, **kwargs)  # stock path (DP size 1: nothing is sent)

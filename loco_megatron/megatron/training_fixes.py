@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from . import compat
+
 logger = logging.getLogger(__name__)
 
 
@@ -151,10 +153,14 @@ def fix_torch_adamw_resume() -> None:
             return set_states(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        saved = ("param", *self.optimizer_state_keys)  # never the per-parameter "step"
-        keys = set(tensors) | set(self.optimizer.state.get(main_param, {}))
-        return set_states(self, model_param,
-                          {k: tensors.get(k) if k in saved else None for k in keys})
+        saved = ("param", *compat.optimizer_state_keys(self))  # never the per-parameter "step"
+        current = {"param": main_param, **self.optimizer.state.get(main_param, {})}
+        # Keys not saved get their own current tensor (a no-op copy; megatron-core < 0.19
+        # copies every key without skipping None), or None where there is none.
+        return set_states(self, model_param, {
+            k: tensors.get(k) if k in saved else (
+                current[k] if isinstance(current.get(k), torch.Tensor) else None)
+            for k in set(tensors) | set(current)})
 
     def untied_load_state_dict(self, state_dict):
         result = load_state_dict(self, state_dict)
