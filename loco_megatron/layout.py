@@ -12,7 +12,7 @@ quantizes blockwise, and two rules keep that exact and consistent:
 So the bucket is cut into segments at shard and parameter boundaries, each segment is padded
 with zeros to a whole number of blocks, and each shard's padded length is rounded up to the
 largest one so that the all-to-all splits are equal. Parameter boundaries come from
-megatron-core's ``_ParamAndGradBucket.param_to_index`` (bucket-local ``(start, end)``).
+the bucket-local ``(start, end)`` of each parameter (``compat.bucket_param_ranges``).
 """
 
 from dataclasses import dataclass

@@ -175,6 +175,45 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
         loco_megatron.uninstall()
 
 
+def param_ranges_worker(rank, world):
+    """Check compat.bucket_param_ranges against each parameter's main_grad storage offset."""
+    import loco_megatron
+    from loco_megatron.megatron import compat
+
+    setup(1, "gloo")
+    loco_megatron.install(loco_megatron.LoCoConfig(bits=4))
+    try:
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig)
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        torch.manual_seed(0)  # odd parameter sizes (70, 7, 21, 3, ...): padded starts
+        module = torch.nn.Sequential(*[torch.nn.Linear(10 - 3 * (i % 2), 7 - 4 * (i % 2))
+                                       for i in range(6)])
+        model = DistributedDataParallel(
+            config=TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                                     use_cpu_initialization=True),
+            module=module, ddp_config=DistributedDataParallelConfig(
+                use_distributed_optimizer=True, bucket_size=200, overlap_grad_reduce=True))
+        checked = padded = 0
+        for buffer in compat.ddp_buffers(model):
+            for bucket in buffer.buckets:
+                ranges = compat.bucket_param_ranges(buffer, bucket)
+                assert ranges == bucket.loco_param_ranges
+                running = 0
+                for param in bucket.params_list:
+                    start, end = ranges[param]
+                    offset = (param.main_grad.data_ptr() - bucket.grad_data.data_ptr()) \
+                        // bucket.grad_data.element_size()
+                    assert (start, end - start) == (offset, param.numel()), (start, end, offset)
+                    padded += start != running
+                    running += param.numel()
+                    checked += 1
+        return checked, padded
+    finally:
+        loco_megatron.uninstall()
+
+
 def warmup_worker(rank, world, start_iter, steps):
     """Stock vs LoCo 4-bit with ``--loco-start-iter start_iter`` (overlapped, several buckets)."""
     setup(1, "gloo")

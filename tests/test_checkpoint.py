@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from loco_megatron.megatron import compat
-from tests.markers import requires_loco_tensor_parallel
 
 from tests.ckpt_worker import ckpt_worker
 from tests.multiproc import run_ranks
@@ -68,7 +67,6 @@ def test_resume_bit_identical_tp1_dp2(saved):
             _assert_resumed_exactly(straight, first, loads[rank][i])
 
 
-@requires_loco_tensor_parallel
 def test_resume_bit_identical_tp2_dp2(tmp_path):
     d = str(tmp_path)
     saves = run_ranks(ckpt_worker, 4, 2, _save_jobs(d))

@@ -7,12 +7,11 @@ least ``world`` GPUs are present (``-m gpu``).
 import pytest
 import torch
 
-from .markers import requires_loco_tensor_parallel
 from .megatron_worker import grid_worker
 from .multiproc import run_ranks
 
 GRIDS = [pytest.param(1, 2, id="TP1xDP2"),
-         pytest.param(2, 4, id="TP2xDP2", marks=requires_loco_tensor_parallel)]
+         pytest.param(2, 4, id="TP2xDP2")]
 
 
 def _gpus() -> int:

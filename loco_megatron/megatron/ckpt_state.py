@@ -61,7 +61,7 @@ class BucketRef:
 
     def params(self) -> List[List[int]]:
         """Bucket-local ``[start, end)`` of every parameter, sorted."""
-        return sorted([int(s), int(e)] for s, e in self.bucket.param_to_index.values())
+        return sorted([s, e] for s, e in self.bucket.loco_param_ranges.values())
 
 
 class OptimizerLoCo:

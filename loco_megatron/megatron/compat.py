@@ -29,6 +29,7 @@ functions below (by feature, not by version number, where the feature can be see
 
 import importlib
 import importlib.util
+from typing import Dict, Tuple
 
 #: first megatron-core wheel that ships ``megatron.training``
 FIRST_WITH_TRAINING = (0, 17)
@@ -82,36 +83,29 @@ def require_megatron_training(entry: str = "loco_megatron.pretrain_gpt") -> None
         raise RuntimeError(message)
 
 
-#: first megatron-core release on which LoCo keeps tensor-parallel replicas identical (verified)
-FIRST_WITH_LOCO_TP = (0, 19)
+def bucket_param_ranges(buffer, bucket) -> Dict[object, Tuple[int, int]]:
+    """Bucket-local ``(start, end)`` of each parameter's gradient inside ``bucket.grad_data``.
 
+    From the buffer's ``param_index_map`` (``param -> (start, end, bucket_id)`` in the whole
+    buffer, megatron/core/distributed/param_and_grad_buffer.py, 0.13-0.19) minus the bucket's
+    ``offset``. megatron-core 0.17+ derives ``bucket.param_to_index`` the same way; 0.13-0.16
+    computed it as a running sum of ``param.numel()`` that ignores the distributed optimizer's
+    padding of each parameter's start (to a multiple of 64 elements), so there it points into
+    the wrong elements of ``grad_data``. LoCo cuts its quantization blocks at these boundaries:
+    with the wrong ones a tensor-parallel-replicated parameter (LayerNorm, row-parallel bias)
+    shared a scale with a TP-sharded neighbour and its copies drifted apart across TP ranks.
 
-def check_loco_tensor_parallel() -> None:
-    """Refuse LoCo with tensor parallelism on megatron-core < 0.19.
+    Args:
+        buffer: the ``_ParamAndGradBuffer`` that owns ``bucket``.
+        bucket: a ``_ParamAndGradBucket``.
 
-    On 0.13.1 and 0.16.1 (torch 2.13.0), a TP2xDP2 run with LoCo 4-bit lets the TP-replicated
-    parameters (LayerNorms, row-parallel biases, position embeddings) drift apart across TP ranks
-    (max 0.014 after 20 steps of tests/test_megatron_grid.py), while stock and ``--loco-bits 16``
-    keep them identical; on 0.19.x they stay identical. Cause not found yet
-    (docs/compatibility.md), so it is refused rather than run silently wrong.
-
-    Raises:
-        LoCoConfigError: megatron-core < 0.19 and tensor-model-parallel size > 1.
+    Returns:
+        ``{param: (start, end)}``, element offsets into ``bucket.grad_data``.
     """
-    if megatron_core_version()[:2] >= FIRST_WITH_LOCO_TP:
-        return
-    from megatron.core import parallel_state as ps
-
-    from ..config import LoCoConfigError
-
-    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
-        version = ".".join(map(str, megatron_core_version()))
-        raise LoCoConfigError(
-            f"--loco-bits with --tensor-model-parallel-size "
-            f"{ps.get_tensor_model_parallel_world_size()} needs megatron-core >= 0.19 (installed: "
-            f"{version}; tensor-parallel replicas drift apart with LoCo on older releases, see "
-            f"docs/compatibility.md). Use --tensor-model-parallel-size 1, megatron-core 0.19.x, "
-            f"or turn LoCo off (--loco-bits 16).")
+    offset = int(bucket.offset)
+    return {param: (int(buffer.param_index_map[param][0]) - offset,
+                    int(buffer.param_index_map[param][1]) - offset)
+            for param in bucket.params_list}
 
 
 def param_and_grad_buffer_module():

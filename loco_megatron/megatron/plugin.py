@@ -77,7 +77,7 @@ class LoCoState:
         layout = self.layouts.get(bucket.loco_key)
         numel = bucket.grad_data.numel()
         if layout is None or (layout.numel, layout.world) != (numel, world):
-            bounds = {i for start_end in bucket.param_to_index.values() for i in start_end}
+            bounds = {i for start_end in bucket.loco_param_ranges.values() for i in start_end}
             layout = BucketLayout.build(numel, world, self.config.block_size, bounds)
             self.layouts[bucket.loco_key] = layout
         return layout
@@ -124,12 +124,12 @@ def _wrap_ddp_init(orig):
         if state is None or not state.active:
             return
         check_ddp_config(self.ddp_config)
-        compat.check_loco_tensor_parallel()
         chunk = state.num_chunks
         state.num_chunks += 1
         for buf_idx, buffer in enumerate(compat.ddp_buffers(self)):
             for bucket in buffer.buckets:
                 bucket.loco_key = (chunk, buf_idx, bucket.bucket_id)
+                bucket.loco_param_ranges = compat.bucket_param_ranges(buffer, bucket)
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
         groups = compat.ddp_bucket_groups(self)
