@@ -149,8 +149,6 @@ def fix_torch_adamw_resume() -> None:
     set_states, load_state_dict = cls._set_main_param_and_optimizer_states, cls.load_state_dict
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        if not hasattr(self, "optimizer_state_keys"):  # Megatron-LM checkouts before 0.17
-            return set_states(self, model_param, tensors)
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         saved = ("param", *compat.optimizer_state_keys(self))  # never the per-parameter "step"
