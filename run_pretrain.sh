@@ -35,9 +35,15 @@ for a in "$@"; do
   esac
 done
 
-user_data=0
+# Bad --loco-* values fail here, in a second, before the corpus is prepared or ranks start.
+"$PY" -m loco_megatron.megatron.arguments "$@" || exit 2
+
+user_data=0 loco_default=(--loco-bits 4)
 for a in "$@"; do
   case "$a" in --data-path|--data-path=*|--mock-data|--train-data-path|--data-args-path) user_data=1 ;; esac
+  # Megatron's --yaml-cfg replaces the whole namespace; a default --loco-bits on the command line
+  # would then count as yours and beat the YAML's loco: section.
+  case "$a" in --yaml-cfg|--yaml-cfg=*) loco_default=() ;; esac
 done
 data_args=()
 if [ "$user_data" = 0 ]; then
@@ -72,7 +78,7 @@ model_args=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-lengt
             --train-iters 300 --split 98,1,1 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 20
             --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer
             --log-interval 10 --eval-interval 100 --eval-iters 10 --tensorboard-dir "$OUT_DIR/tensorboard"
-            --loco-bits 4)
+            ${loco_default[@]+"${loco_default[@]}"})
 launch=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
         --nproc-per-node "$NPROC" --master-addr "${MASTER_ADDR:-127.0.0.1}"
         --master-port "${MASTER_PORT:-29517}"

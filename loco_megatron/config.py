@@ -12,6 +12,9 @@ from typing import Any, Dict, Optional
 COMPRESSED_BITS = (4, 8)
 FULL_PRECISION_BITS = (16, 32)
 ERROR_DTYPES = ("int8", "fp32")
+#: Largest ``block_size``: blocks are padded at every parameter and shard boundary, so larger
+#: blocks only add padding (and a 10^12 block would allocate terabytes).
+MAX_BLOCK_SIZE = 65536
 
 
 class LoCoConfigError(ValueError):
@@ -69,10 +72,12 @@ class LoCoConfig:
                 f"--loco-reset-interval {self.reset_interval} must be a non-negative integer "
                 f"(0 = never reset)."
             )
-        if int(self.block_size) != self.block_size or self.block_size < 2 or self.block_size % 2:
+        if int(self.block_size) != self.block_size or not 2 <= self.block_size <= MAX_BLOCK_SIZE \
+                or self.block_size % 2:
             raise LoCoConfigError(
-                f"--loco-block-size {self.block_size} must be a positive even integer "
-                f"(4-bit codes are packed two per byte); 256 is the default."
+                f"--loco-block-size {self.block_size} must be an even integer in "
+                f"[2, {MAX_BLOCK_SIZE}] (4-bit codes are packed two per byte; blocks are padded "
+                f"at every parameter and shard boundary); 256 is the default."
             )
         if int(self.start_iter) != self.start_iter or self.start_iter < 0:
             raise LoCoConfigError(

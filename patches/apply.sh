@@ -37,9 +37,16 @@ if [ -z "$tag" ] && [ -f "$checkout/megatron/core/package_info.py" ]; then
     'import package_info as p; print(f"core_v{p.MAJOR}.{p.MINOR}.{p.PATCH}")' 2>/dev/null || true)
 fi
 
-apply() {  # apply PATCH [--check]
-  git -C "$checkout" apply "$@"
+apply() {  # apply PATCH [--check], from inside the checkout: never relative to an enclosing
+  # repository (git apply there would silently skip the file), GIT_CEILING_DIRECTORIES stops the
+  # search above the checkout; a checkout that is a repository itself is still used as one.
+  (cd "$checkout" && GIT_CEILING_DIRECTORIES="$(dirname "$(pwd -P)")" git apply "$@")
 }
+patched() { grep -q "loco_megatron.enable_megatron_lm()" "$checkout/pretrain_gpt.py"; }
+if patched; then
+  echo "apply.sh: $checkout/pretrain_gpt.py is already patched (it calls loco_megatron.enable_megatron_lm()); nothing to do" >&2
+  exit 0
+fi
 patch=""
 if [ -n "$tag" ] && [ -f "$here/$tag.patch" ]; then
   patch="$here/$tag.patch"
@@ -59,5 +66,6 @@ if [ "$check" = 1 ]; then
   echo "apply.sh: $(basename "$patch") applies cleanly to $checkout"
 else
   apply "$patch"
+  patched || { echo "apply.sh: git apply reported success but $checkout/pretrain_gpt.py is unchanged" >&2; exit 1; }
   echo "apply.sh: applied $(basename "$patch") to $checkout/pretrain_gpt.py"
 fi

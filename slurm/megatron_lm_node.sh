@@ -27,10 +27,19 @@ ngpu=${GPUS_PER_NODE:-$("$LOCO_PYTHON" -c 'import torch; print(torch.cuda.device
 [ "$ngpu" -gt 0 ] && NPROC=${NPROC:-$ngpu} || NPROC=${NPROC:-2}
 # Megatron asserts this for tensor parallelism on pre-Blackwell GPUs (and under the emulation).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# The job runs inside the checkout (below): a relative --config FILE is meant from here.
+args=() config_next=0
+for a in "$@"; do
+  if [ "$config_next" = 1 ]; then [[ "$a" = /* ]] || a="$PWD/$a"; config_next=0
+  elif [ "$a" = --config ]; then config_next=1
+  elif [[ "$a" = --config=* && "${a#--config=}" != /* ]]; then a="--config=$PWD/${a#--config=}"
+  fi
+  args+=("$a")
+done
 launch=("$LOCO_PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
         --nproc-per-node "$NPROC" --master-addr "${MASTER_ADDR:-127.0.0.1}"
         --master-port "${MASTER_PORT:-29517}"
-        -m loco_megatron.run_megatron_lm --megatron-lm "$checkout" "$@")
+        -m loco_megatron.run_megatron_lm --megatron-lm "$checkout" ${args[@]+"${args[@]}"})
 if [ -n "${LOCO_DRY_RUN:-}" ]; then
   printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
   exit 0

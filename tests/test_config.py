@@ -14,6 +14,7 @@ from loco_megatron.megatron.arguments import add_loco_args, config_from_args
     ({"reset_interval": -1}, "--loco-reset-interval"), ({"block_size": 3}, "--loco-block-size"),
     ({"block_size": 0}, "--loco-block-size"), ({"error_dtype": "fp16"}, "--loco-error-dtype"),
     ({"start_iter": -1}, "--loco-start-iter"), ({"start_iter": 1.5}, "--loco-start-iter"),
+    ({"block_size": 65538}, "--loco-block-size"), ({"block_size": 10 ** 12}, "--loco-block-size"),
 ])
 def test_invalid_values_name_the_flag(kwargs, flag):
     with pytest.raises(LoCoConfigError, match=flag):
@@ -64,6 +65,12 @@ def test_preparse_reads_only_loco_flags():
     assert preparse_loco_config(argv) == LoCoConfig(bits=8, block_size=64)
     with pytest.raises(LoCoConfigError, match="--loco-bits 3"):
         preparse_loco_config(["--loco-bits", "3", "--mock-data"])
+    # values argparse cannot convert: one LoCoConfigError (not a usage text and SystemExit)
+    for argv, message in ((["--loco-bits", "four"], "argument --loco-bits: invalid int value"),
+                          (["--loco-bits"], "argument --loco-bits: expected one argument"),
+                          (["--loco-error-dtype", "bf16"], "argument --loco-error-dtype")):
+        with pytest.raises(LoCoConfigError, match=message):
+            preparse_loco_config(argv)
 
 
 @pytest.mark.parametrize("attrs,flag", [

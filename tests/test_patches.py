@@ -42,8 +42,20 @@ def test_patch_checks_and_applies_to_its_tag(patch, tmp_path):
     patched = (checkout / "pretrain_gpt.py").read_text()
     assert patched.count(CALL) == 1
     assert patched.index(CALL) < patched.index("import torch\n")  # before megatron is imported
-    rc, _ = _apply(checkout, "--check", "--tag", patch.stem)
-    assert rc != 0  # already applied
+    rc, out = _apply(checkout, "--check", "--tag", patch.stem)
+    assert rc == 0 and "already patched" in out, out
+    assert (checkout / "pretrain_gpt.py").read_text() == patched  # applied once only
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script")
+def test_checkout_inside_another_repository_is_patched(tmp_path):
+    """git apply run from a subdirectory of an enclosing repository skips the file silently;
+    apply.sh must patch it (or fail), never report success for nothing."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    checkout = extract_tag("core_v0.16.1", tmp_path / "Megatron-LM", ["pretrain_gpt.py"])
+    rc, out = _apply(checkout, "--tag", "core_v0.16.1")
+    assert rc == 0 and "applied core_v0.16.1.patch" in out, out
+    assert (checkout / "pretrain_gpt.py").read_text().count(CALL) == 1
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")

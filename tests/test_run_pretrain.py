@@ -127,6 +127,17 @@ def test_bad_loco_flag_fails_at_startup_naming_it(tmp_path):
     assert "error: --loco-bits 3 is not supported" in out
     assert "LoCoConfigError" not in out  # a one-line message, not our traceback
     assert "building GPT model" not in out  # before Megatron starts
+    assert "preparing the default corpus" not in out and "ranks, logs" not in out  # at once
+
+
+def test_unconvertible_loco_value_is_one_line(tmp_path):
+    """argparse errors of --loco-* values: one error line, no usage text per rank."""
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), "--loco-bits", "four"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2
+    assert proc.stderr.count("error: argument --loco-bits: invalid int value: 'four'") == 1
+    assert "usage:" not in proc.stderr
 
 
 def test_fsdp_refused_at_startup(tmp_path):

@@ -69,12 +69,14 @@ def test_dry_run_megatron_lm_checkout_2_nodes_x_8_gpus(tmp_path):
     checkout = tmp_path / "Megatron-LM"
     checkout.mkdir()
     flags = ["--num-layers", "32", "--use-distributed-optimizer", "--loco-bits", "4"]
-    commands = _node_commands(_fake_slurm_env(tmp_path, MEGATRON_LM=str(checkout)), flags)
+    config = ["--config", "configs/tiny_cpu.yaml"]  # relative to the submit directory
+    commands = _node_commands(_fake_slurm_env(tmp_path, MEGATRON_LM=str(checkout)),
+                              [*flags, *config])
     assert commands == [
         [f"{ROOT}/.venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2",
          "--node-rank", str(rank), "--nproc-per-node", "8", "--master-addr", "gpu-a001",
          "--master-port", "29517", "-m", "loco_megatron.run_megatron_lm", "--megatron-lm",
-         str(checkout), *flags] for rank in (0, 1)]
+         str(checkout), *flags, "--config", f"{ROOT}/configs/tiny_cpu.yaml"] for rank in (0, 1)]
 
 
 def test_refuses_to_run_outside_slurm():

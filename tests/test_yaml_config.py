@@ -90,6 +90,8 @@ def test_yaml_only_cli_only_and_mixed_give_the_same_config(tmp_path):
     ("loco-bits: 4\n", "put LoCo settings in the 'loco:' section"),
     ("data-path: []\n", "key 'data-path': a list value"),
     ("num-layers: [3\n", "not valid YAML"),
+    ("loco:\n  reset-interval: true\n", r"loco\.reset-interval: True is not a valid value"),
+    ("config: other.yaml\n", "a config file cannot include another"),
 ])
 def test_bad_files_name_the_file_and_key(tmp_path, text, expected):
     path = _write(tmp_path, text)
@@ -139,17 +141,21 @@ def test_yaml_cfg_without_loco_and_flat_keys(tmp_path):
         LoCoConfig()
     flat = _load_yaml(_write(tmp_path, "loco_bits: 8\nloco_block_size: 64\n", "flat.yaml"))
     assert config_from_args(flat, argv=["--loco-bits", "4"]) == LoCoConfig(bits=4, block_size=64)
+    # the flag's own spelling (loco_err_beta for --loco-err-beta) works as well as the field's
+    flag_named = _load_yaml(_write(tmp_path, "loco_err_beta: 0.5\nloco_start_iter: 3\n", "f.yaml"))
+    assert config_from_args(flag_named, argv=[]) == LoCoConfig(beta=0.5, start_iter=3)
 
 
 @pytest.mark.parametrize("text,expected", [("loco:\n  bitz: 4\n", r"unknown key 'loco\.bitz'"),
                                            ("loco: [4]\n", "'loco' must be a mapping"),
-                                           ("loco:\n  bits: 5\n", "--loco-bits 5")])
+                                           ("loco:\n  bits: 5\n", "--loco-bits 5"),
+                                           ("loco:\n  start-iter: true\n", r"loco\.start-iter"),
+                                           ("loco_bits: '3'\n", "--loco-bits 3")])
 def test_yaml_cfg_errors_name_file_and_key(tmp_path, text, expected):
     path = _write(tmp_path, text)
     with pytest.raises(LoCoConfigError, match=expected) as err:
         config_from_args(_load_yaml(path), argv=[])
-    if "5" not in text:
-        assert f"--yaml-cfg {path}" in str(err.value)
+    assert f"--yaml-cfg {path}" in str(err.value)
 
 
 # --- the tiny CPU config end to end --------------------------------------------------------------

@@ -56,20 +56,28 @@ def config_from_args(args, argv=None) -> LoCoConfig:
         LoCoConfigError: invalid values, naming the flag; an unknown key or a non-mapping
             ``loco:`` section, naming the YAML file and the key.
     """
-    kwargs = {}
-    for f in fields(LoCoConfig):
-        value = getattr(args, f"loco_{f.name}", None)
-        if value is not None:
-            kwargs[f.name] = value
     yaml_cfg = getattr(args, "yaml_cfg", None)
-    if yaml_cfg is not None:
-        from .yaml_config import loco_section_to_fields
+    if yaml_cfg is None:
+        return LoCoConfig(**{f.name: getattr(args, f"loco_{f.name}") for f in fields(LoCoConfig)
+                             if getattr(args, f"loco_{f.name}", None) is not None})
+    from .yaml_config import loco_section_to_fields
 
-        section = getattr(args, "loco", None)
-        if section is not None:
-            kwargs.update(loco_section_to_fields(section, f"--yaml-cfg {yaml_cfg}"))
-        kwargs.update(explicit_loco_flags(sys.argv[1:] if argv is None else argv))
-    return LoCoConfig(**kwargs)
+    source = f"--yaml-cfg {yaml_cfg}"
+    top = {}  # top-level keys, as the argparse dest (loco_beta) or the flag (loco_err_beta)
+    for name, (flag, _typ, _extra) in FLAGS.items():
+        for attr in (f"loco_{name}", flag[2:].replace("-", "_")):
+            if getattr(args, attr, None) is not None:
+                top[flag[len("--loco-"):]] = getattr(args, attr)
+    kwargs = loco_section_to_fields(top, source)
+    section = getattr(args, "loco", None)
+    if section is not None:
+        kwargs.update(loco_section_to_fields(section, source))
+    kwargs.update(explicit_loco_flags(sys.argv[1:] if argv is None else argv))
+    try:
+        return LoCoConfig(**kwargs)
+    except LoCoConfigError as e:
+        raise LoCoConfigError(f"{source} (LoCo settings from it and the command line): {e}") \
+            from None
 
 
 def explicit_loco_flags(argv) -> dict:
@@ -141,6 +149,14 @@ def _check_fsdp(args, config: LoCoConfig) -> None:
                 f"megatron-core's DDP gradient buffers that LoCo compresses; drop one of the two.")
 
 
+class _RaisingParser(argparse.ArgumentParser):
+    """An argparse parser whose errors raise :class:`LoCoConfigError` (one line through the
+    launcher's ``fail``) instead of printing a partial usage text and exiting on every rank."""
+
+    def error(self, message):
+        raise LoCoConfigError(message)
+
+
 def preparse_loco_config(argv) -> LoCoConfig:
     """Read only the ``--loco-*`` flags (and the FSDP switches) from ``argv`` before Megatron's
     slow start-up, so that bad values and FSDP fail within a second.
@@ -148,10 +164,26 @@ def preparse_loco_config(argv) -> LoCoConfig:
     Raises:
         LoCoConfigError: naming the flag.
     """
-    parser = add_loco_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    parser = add_loco_args(_RaisingParser(add_help=False, allow_abbrev=False))
     for attr, flag in _FSDP_FLAGS:
         parser.add_argument(flag, dest=attr, action="store_true")
     known, _ = parser.parse_known_args(argv)
     config = config_from_args(known)
     _check_fsdp(known, config)
     return config
+
+
+def main(argv=None) -> int:
+    """``python -m loco_megatron.megatron.arguments ARGS``: check the ``--loco-*`` flags (and
+    FSDP switches) of ``ARGS`` in about a second, before a launcher prepares data or starts
+    ranks; prints ``error: ...`` and returns 2 on a bad value, else returns 0 silently."""
+    try:
+        preparse_loco_config(sys.argv[1:] if argv is None else argv)
+    except LoCoConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -75,6 +75,8 @@ def loco_section_to_fields(section: Any, source: str) -> Dict[str, Any]:
             continue
         flag, typ, _extra = FLAGS[field]
         try:
+            if isinstance(value, bool) and typ is not bool:
+                raise TypeError(value)  # int(True) == 1 would pass silently
             out[field] = value if isinstance(value, bool) else typ(str(value))
         except (TypeError, ValueError):
             raise LoCoConfigError(f"{source}: loco.{key}: {value!r} is not a valid value for "
@@ -145,6 +147,9 @@ def config_to_argv(path: str) -> List[str]:
             raise LoCoConfigError(
                 f"{source}: key {key!r} is not a flag name; write Megatron-LM flags as on the "
                 f"command line without '--' (e.g. 'num-layers: 32', not 'num_layers').")
+        if key == "config":
+            raise LoCoConfigError(f"{source}: key 'config': a config file cannot include "
+                                  f"another; give both on the command line (--config A --config B).")
         if key.startswith("loco-"):
             raise LoCoConfigError(f"{source}: key '{key}': put LoCo settings in the 'loco:' "
                                   f"section ('loco: {{{key[5:]}: ...}}').")
