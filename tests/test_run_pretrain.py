@@ -49,9 +49,11 @@ def _losses(out):
     return [float(x) for x in re.findall(r"iteration\s+\d+/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", out)]
 
 
+# No end-of-line anchors: the ranks share one pipe and print() writes the line and its newline
+# separately, so another rank's output can follow a line's last "|" directly.
 LOCO_FIELDS = re.compile(
-    r"iteration\s+(\d+)/.*\| loco compression error norm: (\S+) \| loco error buffer norm: (\S+) "
-    r"\| loco wire bytes per step: (\d+) \| loco compression ratio: (\S+) \|$", re.M)
+    r"iteration\s+(\d+)/.*?\| loco compression error norm: (\S+) \| loco error buffer norm: "
+    r"(\S+) \| loco wire bytes per step: (\d+) \| loco compression ratio: ([0-9.]+) \|")
 LOCO_TAGS = ("loco/compression-error-norm", "loco/error-buffer-norm", "loco/wire-bytes-per-step",
              "loco/compression-ratio")
 
@@ -71,13 +73,14 @@ def check_loco_telemetry(out, tb_dir, iterations):
     expected = re.search(r"> LoCo: model chunk 0: .* (\d+) bytes/step per rank on the wire vs "
                          r"(\d+) stock", out)
     lines = LOCO_FIELDS.findall(out)
-    assert [int(m[0]) for m in lines] == list(range(1, iterations + 1)), out[-3000:]
+    assert [int(m[0]) for m in lines] == list(range(1, iterations + 1)), "\n".join(
+        line for line in out.splitlines() if "iteration" in line or "loco" in line.lower())
     for it, err, buf, nbytes, ratio in lines:
         assert float(err) > 0 and float(buf) > 0
         assert int(nbytes) == int(expected[1])
         assert float(ratio) == pytest.approx(int(expected[2]) / int(expected[1]), abs=5e-4)
     for name in ("loco-compress", "loco-comm", "loco-decompress"):
-        assert re.search(rf"^\s+{name} \.+: \(\d+\.\d+, \d+\.\d+\)$", out, re.M), name
+        assert re.search(rf"{name} \.+: \(\d+\.\d+, \d+\.\d+\)", out), name
     scalars = _scalars(tb_dir)
     for col, tag in enumerate(LOCO_TAGS, start=1):
         assert [step for step, _ in scalars[tag]] == list(range(1, iterations + 1))
@@ -105,7 +108,7 @@ def test_run_pretrain_bits16_is_stock(tmp_path):
     assert len(_losses(out)) == 4
     assert "loco" not in "".join(re.findall(r".*iteration\s+\d+/.*", out))  # no LoCo fields
     assert "backward-compute" in out  # the level-2 timer block, without LoCo's timers:
-    assert not re.search(r"^\s+loco-", out, re.M)
+    assert not re.search(r"loco-(compress|comm|decompress) \.+:", out)
     assert not [t for t in _scalars(tmp_path / "run" / "tensorboard") if "loco" in t]
 
 

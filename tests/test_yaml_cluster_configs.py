@@ -19,7 +19,7 @@ from loco_megatron.megatron.yaml_config import expand_config_argv, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 64  # 8 nodes x 8 GPUs
-MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
+MIRROR = Path(os.environ.get("LOCO_MEGATRON_LM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 
 # config -> (data-parallel size at 64 GPUs, exact parameter count of the released checkpoint,
 #            rounded published figure). Counts: HF meta-llama/Llama-2-7b-hf 6,738,415,616,
