@@ -80,6 +80,14 @@ def config_from_args(args, argv=None) -> LoCoConfig:
             from None
 
 
+class _RaisingParser(argparse.ArgumentParser):
+    """An argparse parser whose errors raise :class:`LoCoConfigError` (one line through the
+    launcher's ``fail``) instead of printing a partial usage text and exiting on every rank."""
+
+    def error(self, message):
+        raise LoCoConfigError(message)
+
+
 def explicit_loco_flags(argv) -> dict:
     """``{LoCoConfig field: value}`` for the ``--loco-*`` flags present in ``argv`` (others and
     unknown arguments ignored), converted with the flags' types.
@@ -87,16 +95,13 @@ def explicit_loco_flags(argv) -> dict:
     Raises:
         LoCoConfigError: a value that does not convert, naming the flag.
     """
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser = _RaisingParser(add_help=False, allow_abbrev=False)
     for name, (flag, typ, extra) in FLAGS.items():
         kw = {k: v for k, v in extra.items() if k in ("action", "nargs", "const")}
         if "action" not in kw:
             kw["type"] = typ
         parser.add_argument(flag, dest=name, default=argparse.SUPPRESS, **kw)
-    try:
-        known, _ = parser.parse_known_args(list(argv))
-    except argparse.ArgumentError as e:
-        raise LoCoConfigError(f"{e.argument_name}: {e.message}") from None
+    known, _ = parser.parse_known_args(list(argv))
     return vars(known)
 
 
@@ -147,14 +152,6 @@ def _check_fsdp(args, config: LoCoConfig) -> None:
             raise LoCoConfigError(
                 f"--loco-bits {config.bits} cannot be used with {flag}: FSDP replaces "
                 f"megatron-core's DDP gradient buffers that LoCo compresses; drop one of the two.")
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    """An argparse parser whose errors raise :class:`LoCoConfigError` (one line through the
-    launcher's ``fail``) instead of printing a partial usage text and exiting on every rank."""
-
-    def error(self, message):
-        raise LoCoConfigError(message)
 
 
 def preparse_loco_config(argv) -> LoCoConfig:
