@@ -55,6 +55,6 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ install.sh -nt "$stamp" ]
   fi
   echo "install.sh: installing loco-megatron with $MCORE_SPEC and its dependencies" >&2
   # A pinned torch stays as installed above (keeps pip from replacing it with a CUDA build).
-  "${PIP[@]}" -e ".[test]" "$MCORE_SPEC" ${TORCH_VERSION:+"torch==$TORCH_VERSION"}
+  "${PIP[@]}" -e ".[test,bench]" "$MCORE_SPEC" ${TORCH_VERSION:+"torch==$TORCH_VERSION"}
   printf '%s' "$want" > "$stamp"
 fi

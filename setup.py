@@ -37,6 +37,7 @@ setup(
     # works with or without either: it acts on megatron-core's gradient buffer.
     extras_require={
         "test": ["pytest", "hypothesis"],
+        "bench": ["matplotlib"],  # benchmarks/ (python -m benchmarks): the convergence plot
         "te": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": []},
