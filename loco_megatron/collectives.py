@@ -9,6 +9,9 @@ DESIGN.md §2. NCCL and gloo cannot sum 4-bit codes, so ``reduce_scatter_tensor`
 3. dequantize the received chunks, sum them in fp32 and write the result into ``output`` in its
    own dtype (divided by the world size for ``ReduceOp.AVG``).
 
+Steps 1 and 3 are one fused pass each (:mod:`loco_megatron.kernels`: Triton on CUDA tensors, C
+on CPU tensors, the torch reference otherwise or with ``--loco-kernels torch``).
+
 Same signature as ``torch.distributed.reduce_scatter_tensor`` and the same handle contract as
 megatron-core's ``reduce_scatter_with_fp32_accumulation``
 (megatron/core/distributed/reduce_scatter_with_fp32_accumulation.py): with ``async_op=True`` it
@@ -22,9 +25,9 @@ from typing import Callable, Hashable, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import kernels
 from .compensator import Compensator
 from .layout import BucketLayout
-from .quantization import decode
 
 #: Megatron timers (log level 2) LoCo starts when given a ``timers`` object: compensate +
 #: quantize + pack + error update; the all-to-alls (launch, and the wait for them); unpack +
@@ -161,11 +164,10 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             f"bucket layout for {layout.numel} elements / {layout.world} ranks / block "
             f"{layout.block_size} used for {n} elements / {world} ranks / block {cfg.block_size}"
         )
-    shard, pshard = layout.shard, layout.padded_shard
-    work = torch.float64 if input.dtype == torch.float64 else torch.float32
+    shard = layout.shard
     compress_timer, comm_timer, decompress_timer = (_timer(timers, n) for n in TIMER_NAMES)
     compress_timer.start()
-    payload, scales = compensator.compress(key, layout.to_padded(input.view(-1), work))
+    payload, scales = compensator.compress(key, input.view(-1), layout)
     compress_timer.stop()
     recv_payload = torch.empty_like(payload)
     recv_scales = torch.empty_like(scales)
@@ -183,11 +185,10 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
 
     def finish():
         decompress_timer.start()
-        chunks = decode(recv_payload, recv_scales, cfg.bits, cfg.block_size, dtype=work)
-        reduced = chunks.view(world, pshard).sum(dim=0)
-        if op == dist.ReduceOp.AVG:
-            reduced /= world
-        layout.from_padded_shard(reduced, dist.get_rank(group), output)
+        impl = kernels.select(cfg.kernels, output)
+        table = kernels.block_table(layout, output.device if impl != "torch" else "cpu")
+        kernels.decompress_shard(impl, recv_payload, recv_scales, table, dist.get_rank(group),
+                                 bits=cfg.bits, average=op == dist.ReduceOp.AVG, out=output)
         decompress_timer.stop()
 
     handle = LoCoWork(works if async_op else [], finish, comm_timer)

@@ -15,18 +15,27 @@ key their error dicts by bucket index.
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Hashable, List, Tuple
+from functools import lru_cache
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import torch
 
+from . import kernels
 from .config import LoCoConfig
-from .quantization import dequantize_blockwise, pack_codes, quantize_blockwise
+from .layout import BucketLayout
+from .quantization import dequantize_blockwise, quantize_blockwise
 
 logger = logging.getLogger(__name__)
 
 
 #: tensors that hold an error buffer, per ``--loco-error-dtype``
 STORAGE_FIELDS = {"int8": ("codes", "scales"), "fp32": ("values",)}
+
+
+@lru_cache(maxsize=256)
+def _wire_order_layout(numel: int, block_size: int) -> BucketLayout:
+    """The identity layout of ``numel`` elements already in wire order (whole blocks)."""
+    return BucketLayout.build(numel, 1, block_size)
 
 
 class ErrorBuffer:
@@ -100,10 +109,9 @@ class ErrorBuffer:
 
 @dataclass
 class CompensatorStats:
-    """Counters since construction: calls per key, skipped (non-finite) updates, resets."""
+    """Counters since construction: calls, resets, and per-key steps (compress calls)."""
 
     calls: int = 0
-    skipped_nonfinite: int = 0
     resets: int = 0
     steps: Dict[Hashable, int] = field(default_factory=dict)
 
@@ -121,6 +129,7 @@ class Compensator:
         self.config = config
         self.errors: Dict[Hashable, ErrorBuffer] = {}
         self.stats = CompensatorStats()
+        self._nonfinite: List[torch.Tensor] = []  # 0-dim flags on the device (no host sync)
         #: a :class:`~loco_megatron.metrics.StepMetrics` fed by :meth:`compress`, or None (no cost)
         self.metrics = None
 
@@ -139,45 +148,62 @@ class Compensator:
             )
         return buf
 
-    def compress(self, key: Hashable, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def compress(self, key: Hashable, g: torch.Tensor, layout: Optional[BucketLayout] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Compensate ``g`` with bucket ``key``'s error, encode it, and update the error.
+
+        One pass of the fused kernel ``--loco-kernels`` selects for ``g``
+        (:func:`loco_megatron.kernels.select`: Triton on CUDA, C on CPU, else the torch
+        reference); no host sync.
 
         Args:
             key: stable bucket id.
-            g: flat local gradient ``[n]`` (n a multiple of block_size; any float dtype). Not
-                modified.
+            g: flat local gradient (fp32/bf16/fp16; fp64 runs the torch reference in fp64).
+                With ``layout``: the bucket ``[layout.numel]``, read through the layout's block
+                table (blocks cut at shard and parameter boundaries); without: already in wire
+                order, ``[n]``, ``n`` a multiple of ``block_size``. Not modified.
+            layout: the bucket's :class:`~loco_megatron.layout.BucketLayout`, or None.
 
         Returns:
-            ``(payload, scales)`` as :func:`loco_megatron.quantization.encode` gives them for ``n``
-            elements: uint8 ``[n * bits / 8]``, fp32 ``[n / block_size]``.
+            ``(payload, scales)`` as :func:`loco_megatron.quantization.encode` gives them for the
+            ``n`` padded elements: uint8 ``[n * bits / 8]``, fp32 ``[n / block_size]``.
 
         A non-finite compensated gradient is still encoded (the reduced result is then
-        non-finite, as with stock communication) but never enters the error buffer.
+        non-finite, as with stock communication, so megatron's NaN check and fp16 loss scaler
+        see it) and clears the bucket's error buffer instead of entering it
+        (:meth:`nonfinite_updates` counts these).
         """
         cfg = self.config
+        if layout is None:
+            if g.numel() % cfg.block_size:
+                raise ValueError(f"compress without a layout needs a whole number of "
+                                 f"{cfg.block_size}-element blocks, got {g.numel()} elements")
+            layout = _wire_order_layout(g.numel(), cfg.block_size)
+        impl = kernels.select(cfg.kernels, g)
+        table = kernels.block_table(layout, g.device if impl != "torch" else "cpu")
         work = torch.float64 if g.dtype == torch.float64 else torch.float32
-        buf = self._buffer(key, g.numel(), work, g.device)
+        buf = self._buffer(key, table.padded_numel, work, g.device)
         step = self.stats.steps.get(key, 0)
-        if cfg.reset_interval and step > 0 and step % cfg.reset_interval == 0:
-            buf.zero_()
+        reset = bool(cfg.reset_interval and step > 0 and step % cfg.reset_interval == 0)
+        if reset:
             self.stats.resets += 1
-        e_prev = buf.get()
-        h = g.to(work) + e_prev
-        codes, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
-        scales = scales.float()  # as sent, so the error is measured against what peers decode
-        err = None
-        if torch.isfinite(scales).all():
-            err = h - dequantize_blockwise(codes, scales, cfg.block_size, dtype=work)
-            new_err = cfg.beta * e_prev + (1.0 - cfg.beta) * err if cfg.beta else err
-            buf.set(new_err)
-        else:
-            self.stats.skipped_nonfinite += 1
-            logger.warning("LoCo: non-finite gradient in bucket %s; error update skipped", key)
+        payload, scales, nonfinite, err_sq = kernels.compress_bucket(
+            impl, g.reshape(-1), table, buf, bits=cfg.bits, beta=cfg.beta, reset=reset,
+            want_err_sq=self.metrics is not None)
+        self._nonfinite.append(nonfinite)
+        if len(self._nonfinite) > 64:
+            self._nonfinite = [torch.stack([t.to(nonfinite.device) for t in self._nonfinite])
+                               .sum(dtype=torch.int64)]
         if self.metrics is not None:
-            self.metrics.record(err, buf.squared_norm())
+            self.metrics.record(err_sq, buf.squared_norm(), nonfinite)
         self.stats.steps[key] = step + 1
         self.stats.calls += 1
-        return pack_codes(codes, cfg.bits), scales
+        return payload, scales
+
+    def nonfinite_updates(self) -> int:
+        """Compress calls whose compensated gradient was non-finite (error buffer cleared) since
+        construction. Reads device flags: a host sync, for tests and reports only."""
+        return int(sum(int(t) for t in self._nonfinite))
 
     def error_bytes(self) -> int:
         """Total bytes of all error buffers on this rank."""

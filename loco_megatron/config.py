@@ -12,6 +12,8 @@ from typing import Any, Dict, Optional
 COMPRESSED_BITS = (4, 8)
 FULL_PRECISION_BITS = (16, 32)
 ERROR_DTYPES = ("int8", "fp32")
+#: values of ``--loco-kernels`` (loco_megatron/kernels)
+KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 #: Largest ``block_size``: blocks are padded at every parameter and shard boundary, so larger
 #: blocks only add padding (and a 10^12 block would allocate terabytes).
 MAX_BLOCK_SIZE = 65536
@@ -56,6 +58,12 @@ class LoCoConfig:
     counter that also schedules resets and is saved in checkpoints, so a resumed run continues
     the count; a checkpoint without LoCo state starts it at 0. 0 compresses from the first step."""
 
+    kernels: str = "auto"
+    """Implementation of the compress/decompress hot path (``--loco-kernels``): ``auto``
+    (Triton for CUDA tensors, the C kernel for CPU tensors, the torch reference where neither
+    runs), ``triton``, ``cpu`` or ``torch`` (the reference). All give the same codes and error
+    buffers bit for bit (loco_megatron/kernels); not part of the checkpoint fingerprint."""
+
     def __post_init__(self):
         if self.bits is not None and self.bits not in COMPRESSED_BITS + FULL_PRECISION_BITS:
             raise LoCoConfigError(
@@ -83,6 +91,11 @@ class LoCoConfig:
             raise LoCoConfigError(
                 f"--loco-start-iter {self.start_iter} must be a non-negative integer "
                 f"(optimizer steps at full precision before LoCo starts; 0 = from the start)."
+            )
+        if self.kernels not in KERNEL_CHOICES:
+            raise LoCoConfigError(
+                f"--loco-kernels {self.kernels!r} is not one of {KERNEL_CHOICES} (auto picks "
+                f"Triton on GPUs and the C kernel on CPUs)."
             )
         if self.error_dtype not in ERROR_DTYPES:
             raise LoCoConfigError(

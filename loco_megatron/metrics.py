@@ -7,10 +7,11 @@ Definitions, groups and cost: docs/telemetry.md. For every optimizer step ``s`` 
   steps 1-2, arXiv 2407.04480), in the padded wire layout (padding contributes 0);
 * ``buf_sq[s]`` = sum over its buckets of ``||e||^2`` of the error buffer as stored after the
   step's update (int8 storage: the decoded value ``codes * scale``);
-* compress calls, non-finite (skipped) error updates, and the bytes sent / the stock
+* compress calls, non-finite compressions (error buffer cleared), and the bytes sent / the stock
   reduce-scatter would have sent (:class:`~loco_megatron.collectives.WireStats` deltas).
 
-The two squared sums stay on the gradient device (one fp64 ``[2]`` tensor per step, added to
+The two squared sums and the non-finite count stay on the gradient device (one fp64 ``[3]``
+tensor per step, added to
 with asynchronous kernels): nothing is copied to the host until :meth:`StepMetrics.reduce`, which
 all ranks call together (two small all-reduces over the group).
 """
@@ -65,35 +66,30 @@ class StepMetrics:
     def __init__(self, wire):
         self.wire = wire
         self._sq: Optional[torch.Tensor] = None
-        self._calls = self._nonfinite = 0
+        self._calls = 0
         self._closed: List[tuple] = []
         self._mark = (wire.bytes_sent, wire.stock_bytes)
 
-    def record(self, err: Optional[torch.Tensor], buf_sq: torch.Tensor) -> None:
+    def record(self, err_sq: torch.Tensor, buf_sq: torch.Tensor, nonfinite: torch.Tensor) -> None:
         """Add one bucket's compression to the open step, without a host sync.
 
         Args:
-            err: ``h - deQ(Q(h))`` (1-D, fp32/fp64), or None when the update was skipped
-                because ``h`` was non-finite.
+            err_sq: 0-dim ``||h - deQ(Q(h))||^2`` (0 when ``h`` was non-finite).
             buf_sq: 0-dim ``||e||^2`` of the stored error buffer after the update.
+            nonfinite: 0-dim bool: ``h`` was non-finite (the error buffer was cleared).
         """
         self._calls += 1
-        if err is None:
-            self._nonfinite += 1
-            err_sq = torch.zeros((), dtype=torch.float64, device=buf_sq.device)
-        else:
-            err_sq = torch.dot(err, err)
-        sq = torch.stack([err_sq.to(torch.float64), buf_sq.to(torch.float64)])
+        sq = torch.stack([err_sq.to(torch.float64), buf_sq.to(torch.float64),
+                          nonfinite.to(device=buf_sq.device, dtype=torch.float64)])
         self._sq = sq if self._sq is None else self._sq + sq
 
     def end_step(self) -> None:
         """Close the current optimizer step (call once per step on every rank, compressed or
         not, so the ranks' step lists line up)."""
         sent, stock = self.wire.bytes_sent, self.wire.stock_bytes
-        self._closed.append((self._sq, self._calls, self._nonfinite,
-                             sent - self._mark[0], stock - self._mark[1]))
+        self._closed.append((self._sq, self._calls, sent - self._mark[0], stock - self._mark[1]))
         self._mark = (sent, stock)
-        self._sq, self._calls, self._nonfinite = None, 0, 0
+        self._sq, self._calls = None, 0
 
     def pending_steps(self) -> int:
         """Closed steps not yet reported."""
@@ -110,19 +106,19 @@ class StepMetrics:
             return None
         device = (torch.device("cuda", torch.cuda.current_device())
                   if dist.get_backend(group) == "nccl" else torch.device("cpu"))
-        zero = torch.zeros(2, dtype=torch.float64, device=device)
+        zero = torch.zeros(3, dtype=torch.float64, device=device)
         sq = torch.stack([s[0].to(device) if s[0] is not None else zero for s in steps])
         host = torch.tensor([s[1:] for s in steps], dtype=torch.float64, device=device)
-        table = torch.cat([sq, host], dim=1)  # [k, 6]: err_sq buf_sq calls nonfinite bytes stock
+        table = torch.cat([sq, host], dim=1)  # [k, 6]: err_sq buf_sq nonfinite calls bytes stock
         dist.all_reduce(table, group=group)
-        mine = torch.tensor([[sum(s[3] for s in steps), sum(s[4] for s in steps)]],
+        mine = torch.tensor([[sum(s[2] for s in steps), sum(s[3] for s in steps)]],
                             dtype=torch.float64, device=device)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
         table, mine = table.cpu().tolist(), mine.cpu().tolist()[0]
-        compressed = [row for row in table if row[2] > 0]
+        compressed = [row for row in table if row[3] > 0]
         if not compressed:
             return None
-        finite = [row for row in compressed if row[3] == 0]
+        finite = [row for row in compressed if row[2] == 0]
         n = len(compressed)
         loco = sum(row[4] for row in compressed)
         stock = sum(row[5] for row in compressed)

@@ -33,11 +33,13 @@ class ShardChecker:
         self.state, self.sent = state, {}
         compress = state.compensator.compress
 
-        def recording_compress(key, g):
+        def recording_compress(key, g_in, layout=None):
+            g = g_in if layout is None else layout.to_padded(
+                g_in, torch.float64 if g_in.dtype == torch.float64 else torch.float32)
             err = state.compensator.errors.get(key)
             h = g.double() + (err.get().double() if err is not None else 0)
             self.sent[key] = h
-            return compress(key, g)
+            return compress(key, g_in, layout)
 
         state.compensator.compress = recording_compress
 

@@ -19,14 +19,16 @@ class Reference:
         comp, cfg = state.compensator, state.config
         compress = comp.compress
 
-        def recording_compress(key, g):
+        def recording_compress(key, g_in, layout=None):
+            g = g_in if layout is None else layout.to_padded(
+                g_in, torch.float64 if g_in.dtype == torch.float64 else torch.float32)
             buf = comp.errors.get(key)
             e_prev = buf.get() if buf is not None else torch.zeros_like(g, dtype=torch.float32)
             h = g.float() + e_prev  # reset_interval is never reached in these runs
             codes, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
             deq = dequantize_blockwise(codes, scales.float(), cfg.block_size, dtype=torch.float64)
             self.err_sq += float((h.double() - deq).square().sum())
-            return compress(key, g)
+            return compress(key, g_in, layout)
 
         comp.compress = recording_compress
         a2a = dist.all_to_all_single

@@ -78,15 +78,22 @@ def test_reset_every_interval_in_steps():
     assert comp.stats.steps == {"k": 7, "other": 7}
 
 
-def test_nonfinite_gradient_never_enters_error_buffer():
-    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK))
-    comp.compress("k", torch.randn(BLOCK))
-    e_before = comp.errors["k"].get()
-    g = torch.randn(BLOCK)
-    g[3] = float("nan")
-    comp.compress("k", g)
-    assert torch.equal(comp.errors["k"].get(), e_before)
-    assert comp.stats.skipped_nonfinite == 1
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_clears_error_buffer(kernels, bad):
+    """A non-finite h still travels (non-finite scale for its block, so the reduced gradient is
+    non-finite) and clears the bucket's error buffer instead of entering it."""
+    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK, kernels=kernels))
+    comp.compress("k", torch.randn(BLOCK * 3))
+    assert float(comp.errors["k"].squared_norm()) > 0
+    g = torch.randn(BLOCK * 3)
+    g[BLOCK + 3] = bad
+    _, scales = comp.compress("k", g)
+    assert not torch.isfinite(scales[1]) and torch.isfinite(scales[[0, 2]]).all()
+    assert torch.equal(comp.errors["k"].get(), torch.zeros(BLOCK * 3))
+    assert comp.nonfinite_updates() == 1
+    comp.compress("k", torch.randn(BLOCK * 3))  # the next finite step updates again
+    assert float(comp.errors["k"].squared_norm()) > 0 and comp.nonfinite_updates() == 1
 
 
 def test_layout_change_is_a_clear_error():

@@ -20,8 +20,8 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def record(self, err, buf_sq):
-        self.calls.append((None if err is None else err.clone(), buf_sq.clone()))
+    def record(self, err_sq, buf_sq, nonfinite):
+        self.calls.append((err_sq.clone(), buf_sq.clone(), bool(nonfinite)))
 
 
 @pytest.mark.parametrize("storage", ["int8", "fp32"])
@@ -40,23 +40,26 @@ def test_compensator_records_error_and_stored_buffer(bits, beta, storage):
         codes, scales = quantize_blockwise(h, bits, BLOCK)
         expected_err = h - dequantize_blockwise(codes, scales.float(), BLOCK)
         comp.compress("b", g)
-        err, buf_sq = rec.calls[-1]
-        assert torch.equal(err, expected_err)
+        err_sq, buf_sq, nonfinite = rec.calls[-1]
+        exact = expected_err.double().square().sum()
+        assert abs(float(err_sq) - float(exact)) <= 1e-6 * float(exact) and not nonfinite
         stored = comp.errors["b"].get().double().square().sum()
         assert abs(float(buf_sq) - float(stored)) <= 1e-6 * float(stored)
         assert float(stored) > 0
     assert len(rec.calls) == 5
 
 
-def test_nonfinite_gradient_records_no_error():
-    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK))
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_nonfinite_gradient_records_no_error(kernels):
+    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK, kernels=kernels))
     comp.metrics = rec = _Recorder()
     comp.compress("b", torch.randn(BLOCK * 2))
     g = torch.randn(BLOCK * 2)
     g[5] = float("inf")
     comp.compress("b", g)
-    assert rec.calls[1][0] is None  # error update skipped: nothing recorded as error
-    assert float(rec.calls[1][1]) == float(rec.calls[0][1])  # buffer unchanged
+    err_sq, buf_sq, nonfinite = rec.calls[1]
+    assert nonfinite and float(err_sq) == 0.0  # nothing recorded as error
+    assert float(rec.calls[0][1]) > 0 and float(buf_sq) == 0.0  # buffer cleared
 
 
 def test_int8_squared_norm_matches_decoded_value():
@@ -81,8 +84,9 @@ def _metrics_worker(rank, world):
     for step in range(4):
         if BUF[rank][step] is not None:
             e = ERR[rank][step]
-            m.record(None if e is None else torch.tensor(e, dtype=torch.float64),
-                     torch.tensor(BUF[rank][step], dtype=torch.float64))
+            err_sq = torch.tensor(0.0 if e is None else sum(x * x for x in e), dtype=torch.float64)
+            m.record(err_sq, torch.tensor(BUF[rank][step], dtype=torch.float64),
+                     torch.tensor(e is None))
             wire.bytes_sent += BYTES[rank][0]
             wire.stock_bytes += BYTES[rank][1]
         m.end_step()
@@ -121,7 +125,7 @@ def test_all_nonfinite_window_reports_nan():
 def _nonfinite_worker(rank, world):
     wire = WireStats()
     m = StepMetrics(wire)
-    m.record(None, torch.tensor(1.0))
+    m.record(torch.tensor(0.0), torch.tensor(1.0), torch.tensor(True))
     wire.bytes_sent, wire.stock_bytes = 10, 80
     m.end_step()
     return m.reduce()

@@ -10,7 +10,7 @@ import argparse
 import sys
 from dataclasses import MISSING, fields
 
-from ..config import ERROR_DTYPES, LoCoConfig, LoCoConfigError
+from ..config import ERROR_DTYPES, KERNEL_CHOICES, LoCoConfig, LoCoConfigError
 
 #: dataclass field -> (flag, type, extra argparse kwargs)
 FLAGS = {
@@ -20,6 +20,7 @@ FLAGS = {
     "block_size": ("--loco-block-size", int, {"metavar": "N"}),
     "error_dtype": ("--loco-error-dtype", str, {"choices": ERROR_DTYPES}),
     "start_iter": ("--loco-start-iter", int, {"metavar": "STEPS"}),
+    "kernels": ("--loco-kernels", str, {"choices": KERNEL_CHOICES}),
 }
 
 

@@ -1,0 +1,133 @@
+"""Fused compression kernels, one contract for three implementations (DESIGN.md §1-2, §9).
+
+The hot path of LoCo has two halves, each a single pass over the data:
+
+* **compress** (:func:`compress_bucket`): for every quantization block of a bucket, compensate
+  (``h = g + e``), quantize and pack (``Q_b(h)``: codes and one fp32 scale), and update the error
+  buffer (``e = beta * e + (1 - beta) * (h - deQ(Q_b(h)))``, stored as int8 + fp32 scale per
+  block, or fp32);
+* **decompress** (:func:`decompress_shard`): unpack and dequantize the ``world`` chunks received
+  for this rank's shard, sum them in fp32 (rank order), divide by ``world`` for ``AVG``, and write
+  the shard in the output's dtype.
+
+Implementations (``--loco-kernels``, :attr:`~loco_megatron.config.LoCoConfig.kernels`):
+
+``torch``   the reference: plain torch ops (:mod:`.reference`), any device, fp64 for exact tests.
+``cpu``     a C loop over blocks compiled on first use (:mod:`.cpu`), CPU tensors.
+``triton``  Triton kernels (:mod:`.triton_kernels`), CUDA tensors (CPU under
+            ``TRITON_INTERPRET=1``, for tests).
+``auto``    ``triton`` for CUDA tensors when Triton imports, ``cpu`` for CPU tensors when the C
+            library builds, else ``torch``; fp64 always ``torch``.
+
+All three give the same codes and scales bit for bit and the same error buffer (the same IEEE
+fp32 operations in the same order, no FMA contraction, round-half-to-even); the decompressed
+sums agree within fp32 rounding. A non-finite block anywhere in a bucket clears that bucket's
+error buffer (the moving average restarts from zero, as after a reset) without a host sync; the
+non-finite values still reach the reduced gradient, so megatron's NaN check and fp16 loss scaler
+see them.
+"""
+
+import os
+from typing import Optional, Tuple
+
+import torch
+
+from ..config import KERNEL_CHOICES
+from .block_table import BlockTable, block_table
+
+__all__ = ["KERNEL_CHOICES", "BlockTable", "block_table", "select", "compress_bucket",
+           "decompress_shard", "triton_interpret"]
+
+
+def triton_interpret() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton kernels then run on CPU tensors (slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def select(choice: str, tensor: torch.Tensor) -> str:
+    """The implementation for ``tensor`` under ``--loco-kernels choice``.
+
+    Returns ``"torch"``, ``"cpu"`` or ``"triton"``.
+
+    Raises:
+        ValueError: ``choice`` unknown, or it names an implementation that cannot run on
+            ``tensor`` (``triton`` without Triton, or on a CPU tensor without
+            ``TRITON_INTERPRET=1``; ``cpu`` on a CUDA tensor or without a C compiler).
+    """
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"--loco-kernels {choice!r} is not one of {KERNEL_CHOICES}")
+    if choice == "torch" or tensor.dtype == torch.float64:
+        return "torch"
+    if choice == "triton" or (choice == "auto" and tensor.is_cuda):
+        from . import triton_kernels
+
+        reason = triton_kernels.unavailable_reason(tensor)
+        if reason is None:
+            return "triton"
+        if choice == "triton":
+            raise ValueError(f"--loco-kernels triton: {reason}")
+        return "torch"
+    if choice == "cpu" or (choice == "auto" and tensor.device.type == "cpu"):
+        from . import cpu
+
+        reason = cpu.unavailable_reason(tensor)
+        if reason is None:
+            return "cpu"
+        if choice == "cpu":
+            raise ValueError(f"--loco-kernels cpu: {reason}")
+        return "torch"
+    return "torch"
+
+
+def _module(impl: str):
+    if impl == "triton":
+        from . import triton_kernels as mod
+    elif impl == "cpu":
+        from . import cpu as mod
+    else:
+        from . import reference as mod
+    return mod
+
+
+def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits: int,
+                    beta: float, reset: bool, want_err_sq: bool
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Compensate, quantize, pack and update the error of one bucket in one pass.
+
+    Args:
+        impl: ``"torch"``, ``"cpu"`` or ``"triton"`` (from :func:`select`).
+        g: the bucket's local gradient, flat ``[table.numel]`` (fp32/bf16/fp16; fp64 only with
+            ``torch``). Read only.
+        table: the bucket's :class:`BlockTable` (where each wire block's elements are in ``g``).
+        err: the bucket's :class:`~loco_megatron.compensator.ErrorBuffer`
+            (``table.padded_numel`` elements, same block size); updated in place.
+        bits: 4 or 8.
+        beta: error moving-average factor in [0, 1).
+        reset: treat the stored error as zero (a reset step).
+        want_err_sq: also return ``||h - deQ(Q(h))||^2`` (telemetry).
+
+    Returns:
+        ``(payload, scales, nonfinite, err_sq)``: uint8 ``[padded_numel * bits / 8]``, fp32
+        ``[nblocks]``, a 0-dim bool tensor (some block non-finite: error buffer cleared), and a
+        0-dim fp64 tensor or None. All on ``g``'s device; no host sync.
+    """
+    return _module(impl).compress_bucket(g, table, err, bits=bits, beta=beta, reset=reset,
+                                         want_err_sq=want_err_sq)
+
+
+def decompress_shard(impl: str, payload: torch.Tensor, scales: torch.Tensor, table: BlockTable,
+                     rank: int, *, bits: int, average: bool, out: torch.Tensor) -> None:
+    """Sum the ``table.world`` received chunks of rank ``rank``'s shard into ``out``.
+
+    Args:
+        impl: ``"torch"``, ``"cpu"`` or ``"triton"``.
+        payload: uint8 ``[world * padded_shard * bits / 8]``: chunk ``r`` is what rank ``r`` sent.
+        scales: fp32 ``[world * blocks_per_shard]``.
+        table: the bucket's :class:`BlockTable`.
+        rank: this rank's index in the group (which shard ``out`` is).
+        bits: 4 or 8.
+        average: divide the sum by ``world`` (``ReduceOp.AVG``).
+        out: ``[table.shard]`` in any float dtype; written (cast from fp32, round-to-nearest).
+    """
+    _module(impl).decompress_shard(payload, scales, table, rank, bits=bits, average=average,
+                                   out=out)

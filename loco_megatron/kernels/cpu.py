@@ -1,0 +1,127 @@
+"""CPU fused kernels (``--loco-kernels cpu``): ``cpu_kernels.c`` compiled on first use, via ctypes.
+
+The C file is built once per source version with the system C compiler (``$CC``, default
+``cc``) into ``$LOCO_KERNEL_CACHE`` (default ``~/.cache/loco_megatron/kernels``), written under a
+temporary name and renamed, so ranks building at the same time never load a half-written file.
+No torch headers are involved (the build takes well under a second). Without a compiler,
+``auto`` falls back to the torch reference (:mod:`.reference`) and says so once in the log.
+
+ctypes releases the GIL during the call, so the compressed all-to-alls of other buckets keep
+running. Gradients in bf16/fp16 are converted to fp32 first (one extra pass; CPU buckets are fp32
+in practice).
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+#: IEEE fp32 semantics: no fast-math, no FMA contraction (the torch reference does none).
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+_P = ctypes.c_void_p
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LOCO_KERNEL_CACHE") or Path.home() / ".cache" / "loco_megatron" / "kernels"
+    return Path(root)
+
+
+@lru_cache(maxsize=1)
+def _load():
+    """(library, None) or (None, reason)."""
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC", "cc")
+    tag = hashlib.sha256(src + " ".join((cc,) + CFLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"loco_cpu_kernels_{tag}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+            os.close(fd)
+            proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+                                  text=True, timeout=120)
+            if proc.returncode:
+                os.unlink(tmp)
+                return None, f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[:500]}"
+            os.replace(tmp, target)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return None, f"cannot build {SOURCE.name} with {cc!r} into {target.parent}: {exc}"
+    lib = ctypes.CDLL(str(target))
+    lib.loco_compress.restype = ctypes.c_int
+    lib.loco_compress.argtypes = [_P, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
+                                  ctypes.c_float, ctypes.c_int, ctypes.c_int, _P]
+    lib.loco_decompress.restype = ctypes.c_int
+    lib.loco_decompress.argtypes = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_int, _P]
+    return lib, None
+
+
+def unavailable_reason(tensor: torch.Tensor) -> Optional[str]:
+    """None when the C kernels can process ``tensor``, else why not."""
+    if tensor.device.type != "cpu":
+        return f"the C kernels run on CPU tensors, this one is on {tensor.device}"
+    if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {tensor.dtype} is not supported (fp32, bf16, fp16)"
+    lib, reason = _load()
+    if lib is None:
+        if not getattr(unavailable_reason, "_logged", False):
+            logger.warning("LoCo: using the torch reference on CPU: %s", reason)
+            unavailable_reason._logged = True
+        return reason
+    return None
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else _P(t.data_ptr())
+
+
+def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
+    """C implementation of :func:`loco_megatron.kernels.compress_bucket`."""
+    lib, _ = _load()
+    g = g.reshape(-1).contiguous().float()
+    payload = torch.empty(table.padded_numel * bits // 8, dtype=torch.uint8)
+    scales = torch.empty(table.nblocks, dtype=torch.float32)
+    err_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None
+    int8 = err.storage == "int8"
+    if not int8 and err.values.dtype != torch.float32:
+        raise ValueError(f"the C kernels keep fp32 error values, got {err.values.dtype}")
+    rc = lib.loco_compress(_ptr(g), _ptr(table.src), _ptr(table.length), table.nblocks,
+                           table.block_size, bits, int(int8),
+                           _ptr(err.codes if int8 else None), _ptr(err.scales if int8 else None),
+                           _ptr(None if int8 else err.values), _ptr(payload), _ptr(scales),
+                           float(beta), 1.0 - float(beta), int(beta != 0), int(reset),
+                           _ptr(err_sq))
+    if rc < 0:
+        raise MemoryError("loco_compress: out of memory for a block workspace")
+    if rc:  # non-finite: clear, as the reference does (free on CPU: no device to sync)
+        err.zero_()
+        if err_sq is not None:
+            err_sq.zero_()
+    return payload, scales, torch.tensor(bool(rc)), err_sq
+
+
+def decompress_shard(payload, scales, table, rank, *, bits, average, out):
+    """C implementation of :func:`loco_megatron.kernels.decompress_shard`."""
+    lib, _ = _load()
+    direct = out.dtype == torch.float32 and out.is_contiguous()
+    target = out if direct else torch.empty(out.numel(), dtype=torch.float32)
+    nbs = table.blocks_per_shard
+    rc = lib.loco_decompress(_ptr(payload), _ptr(scales), _ptr(table.src), _ptr(table.length),
+                             nbs, rank * nbs, rank * table.shard, table.world, table.block_size,
+                             bits, int(average), _ptr(target))
+    if rc < 0:
+        raise MemoryError("loco_decompress: out of memory for a block workspace")
+    if not direct:
+        out.copy_(target.view_as(out))

@@ -1,0 +1,40 @@
+"""The torch reference of the fused kernels (``--loco-kernels torch``): any device, any dtype.
+
+Defines the arithmetic the ``cpu`` and ``triton`` kernels reproduce bit for bit
+(:mod:`loco_megatron.kernels`); fp64 input stays fp64 so the exact identities of DESIGN.md §1
+can be tested. Costs several passes and temporaries over the bucket; the fused kernels do one.
+"""
+
+import torch
+
+from ..quantization import dequantize_blockwise, decode, pack_codes, quantize_blockwise
+
+
+def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
+    """Reference of :func:`loco_megatron.kernels.compress_bucket` (same arguments)."""
+    block = table.block_size
+    work = torch.float64 if g.dtype == torch.float64 else torch.float32
+    if reset:
+        err.zero_()
+    e_prev = err.get()
+    h = table.layout.to_padded(g.view(-1), work) + e_prev
+    codes, scales = quantize_blockwise(h, bits, block)
+    scales = scales.float()  # as sent: the error is measured against what peers decode
+    err_now = h - dequantize_blockwise(codes, scales, block, dtype=work)
+    new = beta * e_prev + (1.0 - beta) * err_now if beta else err_now
+    nonfinite = ~torch.isfinite(scales).all()
+    err.set(torch.where(nonfinite, torch.zeros((), dtype=work, device=h.device), new))
+    err_sq = None
+    if want_err_sq:
+        err_sq = torch.where(nonfinite, 0.0, torch.dot(err_now, err_now).double())
+    return pack_codes(codes, bits), scales, nonfinite, err_sq
+
+
+def decompress_shard(payload, scales, table, rank, *, bits, average, out):
+    """Reference of :func:`loco_megatron.kernels.decompress_shard` (same arguments)."""
+    work = torch.float64 if out.dtype == torch.float64 else torch.float32
+    chunks = decode(payload, scales, bits, table.block_size, dtype=work)
+    reduced = chunks.view(table.world, table.layout.padded_shard).sum(dim=0)
+    if average:
+        reduced /= table.world
+    table.layout.from_padded_shard(reduced, rank, out)

@@ -1,0 +1,223 @@
+"""Triton fused kernels (``--loco-kernels triton``): CUDA tensors; CPU under ``TRITON_INTERPRET=1``.
+
+One program handles ``ROWS`` quantization blocks as a ``[ROWS, B/2]`` tile of even and odd
+elements (the two nibbles of a packed byte). Bit-exact with the torch reference
+(:mod:`.reference`): IEEE division (``div_rn``; Triton's default fp32 ``/`` is approximate on
+GPUs), no FMA contraction (``enable_fp_fusion=False``), round-half-to-even by the 1.5 * 2^23
+trick, and NaN handled explicitly (``max`` may drop NaN). Non-finite blocks raise a device flag;
+the bucket's error buffer is then cleared by a masked fill of its scales (int8 storage: the
+codes are left, a zero scale decodes them to zero) or values, without a host sync.
+"""
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+
+from . import triton_interpret
+
+ROWS = 8  # blocks per program
+
+
+def unavailable_reason(tensor: torch.Tensor) -> Optional[str]:
+    """None when the Triton kernels can process ``tensor``, else why not."""
+    if triton is None:
+        return "Triton is not installed (pip install triton)"
+    if tensor.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {tensor.dtype} is not supported (fp32, bf16, fp16)"
+    if tensor.device.type != "cuda" and not triton_interpret():
+        return (f"tensor on {tensor.device}: Triton runs CUDA tensors (set TRITON_INTERPRET=1 "
+                f"to interpret the kernels on CPU, for tests)")
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rne(x):
+        return (x + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _codes(h, safe, lo: tl.constexpr, hi: tl.constexpr):
+        r = _rne(tl.math.div_rn(h, safe))
+        r = tl.minimum(tl.maximum(r, lo), hi)
+        return tl.where(r == r, r, 0.0)
+
+    @triton.jit
+    def _bf16_bits(x):
+        """fp32 -> bf16 bit pattern, round-half-to-even (NaN stays a quiet NaN), as int16:
+        integer arithmetic, so the interpreter (which truncates) and GPUs agree with torch."""
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return tl.where(x != x, 0x7FC0, r).to(tl.int16)
+
+    @triton.jit
+    def _compress_kernel(g_ptr, src_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr, evalues_ptr,
+                         payload_ptr, scales_ptr, flag_ptr, errsq_ptr, beta, omb,
+                         B: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
+                         BITS: tl.constexpr, INT8_ERR: tl.constexpr, RESET: tl.constexpr,
+                         USE_BETA: tl.constexpr, ERRSQ: tl.constexpr):
+        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < nblocks
+        src = tl.load(src_ptr + rows, mask=rmask, other=0)
+        length = tl.load(len_ptr + rows, mask=rmask, other=0)
+        j = tl.arange(0, HALF)
+        ev = 2 * j
+        od = ev + 1
+        m = rmask[:, None] & (j < B // 2)[None, :]
+        base = rows.to(tl.int64)[:, None] * B
+        ge = tl.load(g_ptr + src[:, None] + ev[None, :], mask=m & (ev[None, :] < length[:, None]),
+                     other=0.0).to(tl.float32)
+        go = tl.load(g_ptr + src[:, None] + od[None, :], mask=m & (od[None, :] < length[:, None]),
+                     other=0.0).to(tl.float32)
+        if RESET:
+            ee = tl.zeros([ROWS, HALF], dtype=tl.float32)
+            eo = tl.zeros([ROWS, HALF], dtype=tl.float32)
+        elif INT8_ERR:
+            es = tl.load(escales_ptr + rows, mask=rmask, other=0.0)
+            ee = tl.load(ecodes_ptr + base + ev[None, :], mask=m, other=0).to(tl.float32) * es[:, None]
+            eo = tl.load(ecodes_ptr + base + od[None, :], mask=m, other=0).to(tl.float32) * es[:, None]
+        else:
+            ee = tl.load(evalues_ptr + base + ev[None, :], mask=m, other=0.0)
+            eo = tl.load(evalues_ptr + base + od[None, :], mask=m, other=0.0)
+        he = ge + ee
+        ho = go + eo
+        amax = tl.maximum(tl.max(tl.abs(he), axis=1), tl.max(tl.abs(ho), axis=1))
+        nan = tl.max(((he != he) | (ho != ho)).to(tl.int32), axis=1)
+        scale = tl.where(nan > 0, float("nan"), tl.math.div_rn(amax, QMAX * 1.0))
+        bad = (nan > 0) | (amax > 3.4028234663852886e38)
+        safe = tl.where(scale > 0, scale, 1.0)[:, None]
+        qe = _codes(he, safe, -QMAX - 1.0, QMAX * 1.0)
+        qo = _codes(ho, safe, -QMAX - 1.0, QMAX * 1.0)
+        tl.store(scales_ptr + rows, scale, mask=rmask)
+        if BITS == 4:
+            byte = (qe.to(tl.int32) & 15) | ((qo.to(tl.int32) & 15) << 4)
+            tl.store(payload_ptr + rows.to(tl.int64)[:, None] * (B // 2) + j[None, :],
+                     byte.to(tl.uint8), mask=m)
+        else:
+            tl.store(payload_ptr + base + ev[None, :], qe.to(tl.int8), mask=m)
+            tl.store(payload_ptr + base + od[None, :], qo.to(tl.int8), mask=m)
+        erre = he - qe * scale[:, None]
+        erro = ho - qo * scale[:, None]
+        if ERRSQ:
+            sq = tl.sum(erre * erre, axis=1) + tl.sum(erro * erro, axis=1)
+            tl.store(errsq_ptr + rows, sq, mask=rmask)
+        if USE_BETA:
+            ne = beta * ee + omb * erre
+            no = beta * eo + omb * erro
+        else:
+            ne = erre
+            no = erro
+        if INT8_ERR:
+            emax = tl.maximum(tl.max(tl.abs(ne), axis=1), tl.max(tl.abs(no), axis=1))
+            es2 = tl.math.div_rn(emax, 127.0)
+            esafe = tl.where(es2 > 0, es2, 1.0)[:, None]
+            tl.store(ecodes_ptr + base + ev[None, :], _codes(ne, esafe, -128.0, 127.0).to(tl.int8), mask=m)
+            tl.store(ecodes_ptr + base + od[None, :], _codes(no, esafe, -128.0, 127.0).to(tl.int8), mask=m)
+            tl.store(escales_ptr + rows, es2, mask=rmask)
+        else:
+            tl.store(evalues_ptr + base + ev[None, :], ne, mask=m)
+            tl.store(evalues_ptr + base + od[None, :], no, mask=m)
+        tl.atomic_max(flag_ptr, tl.max((bad & rmask).to(tl.int32), axis=0))
+
+    @triton.jit
+    def _decompress_kernel(payload_ptr, scales_ptr, out_ptr, src_ptr, len_ptr, nbs, first,
+                           out_base, world, B: tl.constexpr, HALF: tl.constexpr,
+                           ROWS: tl.constexpr, BITS: tl.constexpr, AVERAGE: tl.constexpr,
+                           OUT_BF16: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < nbs
+        j = tl.arange(0, HALF)
+        ev = 2 * j
+        od = ev + 1
+        m = rmask[:, None] & (j < B // 2)[None, :]
+        acc_e = tl.zeros([ROWS, HALF], dtype=tl.float32)
+        acc_o = tl.zeros([ROWS, HALF], dtype=tl.float32)
+        for r in range(world):
+            blk = (r * nbs + rows).to(tl.int64)
+            s = tl.load(scales_ptr + blk, mask=rmask, other=0.0)[:, None]
+            if BITS == 4:
+                byte = tl.load(payload_ptr + blk[:, None] * (B // 2) + j[None, :], mask=m,
+                               other=0).to(tl.int32)
+                lo = byte & 15
+                hi = (byte >> 4) & 15
+                ce = tl.where(lo >= 8, lo - 16, lo)
+                co = tl.where(hi >= 8, hi - 16, hi)
+            else:
+                ce = tl.load(payload_ptr + blk[:, None] * B + ev[None, :], mask=m, other=0)
+                co = tl.load(payload_ptr + blk[:, None] * B + od[None, :], mask=m, other=0)
+            acc_e += ce.to(tl.float32) * s
+            acc_o += co.to(tl.float32) * s
+        if AVERAGE:
+            acc_e = tl.math.div_rn(acc_e, world.to(tl.float32))
+            acc_o = tl.math.div_rn(acc_o, world.to(tl.float32))
+        src = tl.load(src_ptr + first + rows, mask=rmask, other=0) - out_base
+        length = tl.load(len_ptr + first + rows, mask=rmask, other=0)
+        dst = out_ptr + src[:, None]
+        if OUT_BF16:  # out_ptr is the bf16 output viewed as int16
+            ve = _bf16_bits(acc_e)
+            vo = _bf16_bits(acc_o)
+        else:
+            ve = acc_e.to(out_ptr.dtype.element_ty)
+            vo = acc_o.to(out_ptr.dtype.element_ty)
+        tl.store(dst + ev[None, :], ve, mask=m & (ev[None, :] < length[:, None]))
+        tl.store(dst + od[None, :], vo, mask=m & (od[None, :] < length[:, None]))
+
+
+def _half(block_size: int) -> int:
+    return triton.next_power_of_2(block_size // 2)
+
+
+def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
+    """Triton implementation of :func:`loco_megatron.kernels.compress_bucket`."""
+    dev = g.device
+    g = g.reshape(-1)
+    if not g.is_contiguous():
+        g = g.contiguous()
+    payload = torch.empty(table.padded_numel * bits // 8, dtype=torch.uint8, device=dev)
+    scales = torch.empty(table.nblocks, dtype=torch.float32, device=dev)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    errsq = torch.empty(table.nblocks, dtype=torch.float32, device=dev) if want_err_sq else flag
+    int8 = err.storage == "int8"
+    if not int8 and err.values.dtype != torch.float32:
+        raise ValueError(f"the Triton kernels keep fp32 error values, got {err.values.dtype}")
+    dummy = scales
+    _compress_kernel[(triton.cdiv(table.nblocks, ROWS),)](
+        g, table.src, table.length, table.nblocks,
+        err.codes if int8 else dummy, err.scales if int8 else dummy,
+        dummy if int8 else err.values,
+        payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq,
+        float(beta), 1.0 - float(beta),
+        B=table.block_size, HALF=_half(table.block_size), ROWS=ROWS, BITS=bits,
+        INT8_ERR=int8, RESET=bool(reset), USE_BETA=beta != 0, ERRSQ=bool(want_err_sq),
+        enable_fp_fusion=False)
+    nonfinite = flag[0] > 0
+    if int8:
+        err.scales.masked_fill_(nonfinite, 0.0)
+    else:
+        err.values.masked_fill_(nonfinite, 0.0)
+    err_sq = None
+    if want_err_sq:
+        err_sq = torch.where(nonfinite, 0.0, errsq.double().sum())
+    return payload, scales, nonfinite, err_sq
+
+
+def decompress_shard(payload, scales, table, rank, *, bits, average, out):
+    """Triton implementation of :func:`loco_megatron.kernels.decompress_shard`."""
+    nbs = table.blocks_per_shard
+    target = out if out.is_contiguous() else torch.empty_like(out)
+    bf16 = out.dtype == torch.bfloat16
+    _decompress_kernel[(triton.cdiv(nbs, ROWS),)](
+        payload.view(torch.int8) if bits == 8 else payload, scales,
+        target.view(torch.int16) if bf16 else target, table.src,
+        table.length, nbs, rank * nbs, rank * table.shard, table.world,
+        B=table.block_size, HALF=_half(table.block_size), ROWS=ROWS, BITS=bits,
+        AVERAGE=bool(average), OUT_BF16=bf16, enable_fp_fusion=False)
+    if target is not out:
+        out.copy_(target)

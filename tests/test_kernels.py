@@ -1,0 +1,206 @@
+"""Fused kernels (C on CPU, Triton under TRITON_INTERPRET=1) against the torch reference.
+
+Contract (loco_megatron/kernels/__init__.py): codes, scales and error buffers bit-exact with the
+reference; the reduced shard within fp32 rounding (the sums are in the same order, so in practice
+equal); a non-finite block gives a non-finite scale there and clears the error buffer. The
+Triton kernels are also compiled for real GPUs (sm_80, sm_90) here, without a GPU, to check that
+the PTX has no FMA contraction and IEEE division (what makes the GPU results bit-exact too).
+"""
+
+import os
+import subprocess
+import sys
+
+if os.environ.get("TRITON_INTERPRET") is None and not __import__("torch").cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton decorates the kernels
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loco_megatron import kernels
+from loco_megatron.collectives import compensated_reduce_scatter
+from loco_megatron.compensator import Compensator, ErrorBuffer
+from loco_megatron.config import LoCoConfig
+from loco_megatron.layout import BucketLayout
+
+from .multiproc import run_ranks
+
+try:
+    import triton  # noqa: F401
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+FUSED = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAVE_TRITON, reason="Triton not installed (the CPU-only torch build of the compat legs)"))]
+# A bucket of 3 DP shards with parameter boundaries: blocks padded at every cut.
+LAYOUT = dict(numel=3 * 700, world=3, boundaries=(123, 1000, 1555))
+
+
+def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None):
+    """Per step: payload, scales, nonfinite flag, err_sq and the decoded error buffer."""
+    layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], block, LAYOUT["boundaries"])
+    table = kernels.block_table(layout, "cpu")
+    err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for step in range(steps):
+        g = (torch.randn(layout.numel, generator=gen) * 10 ** (step - 2)).to(dtype)
+        if bad is not None and step == 2:
+            g[1234] = bad
+        payload, scales, nonfinite, err_sq = kernels.compress_bucket(
+            impl, g, table, err, bits=bits, beta=beta, reset=step == 1, want_err_sq=True)
+        out.append((payload.clone(), scales.clone(), bool(nonfinite), float(err_sq),
+                    err.get().clone()))
+    return out
+
+
+@pytest.mark.parametrize("impl", FUSED)
+@pytest.mark.parametrize("bits,storage,dtype", [
+    (4, "int8", torch.float32), (8, "int8", torch.float32), (4, "fp32", torch.float32),
+    (8, "fp32", torch.float32), (4, "int8", torch.bfloat16), (4, "int8", torch.float16),
+    (8, "fp32", torch.bfloat16)])
+def test_compress_bit_exact(impl, bits, storage, dtype):
+    ref, got = _run("torch", bits, storage, dtype, 64, 0.8), _run(impl, bits, storage, dtype, 64, 0.8)
+    for step, (r, g) in enumerate(zip(ref, got)):
+        assert torch.equal(r[0], g[0]), f"step {step}: payload differs"
+        assert torch.equal(r[1], g[1]), f"step {step}: scales differ"
+        assert torch.equal(r[4], g[4]), f"step {step}: error buffer differs"
+        assert not r[2] and not g[2]
+        assert abs(r[3] - g[3]) <= 1e-5 * r[3]  # fp32 dot (reference) vs per-block sums
+
+
+@pytest.mark.parametrize("impl", FUSED)
+@pytest.mark.parametrize("block,beta", [(6, 0.0), (10, 0.5), (256, 0.8)])
+def test_compress_odd_block_sizes_and_beta(impl, block, beta):
+    """Blocks that are not powers of two (the Triton tile is masked), plain error feedback."""
+    for r, g in zip(_run("torch", 4, "int8", torch.float32, block, beta),
+                    _run(impl, 4, "int8", torch.float32, block, beta)):
+        assert torch.equal(r[0], g[0]) and torch.equal(r[1], g[1]) and torch.equal(r[4], g[4])
+
+
+@pytest.mark.parametrize("impl", FUSED)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on inf/NaN
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_block(impl, bad):
+    ref, got = _run("torch", 4, "int8", torch.float32, 64, 0.8, bad=bad), \
+        _run(impl, 4, "int8", torch.float32, 64, 0.8, bad=bad)
+    r, g = ref[2], got[2]
+    assert r[2] and g[2] and g[3] == 0.0
+    fin = torch.isfinite(r[1])
+    assert torch.equal(fin, torch.isfinite(g[1])) and int((~fin).sum()) == 1
+    assert torch.equal(r[1][fin], g[1][fin])
+    assert torch.equal(torch.isnan(r[1]), torch.isnan(g[1]))  # NaN stays NaN, inf stays inf
+    assert not g[4].any()  # error buffer cleared
+    for r, g in zip(ref[3:], got[3:]):  # and the next step is exact again
+        assert torch.equal(r[0], g[0]) and torch.equal(r[4], g[4]) and not g[2]
+
+
+@pytest.mark.parametrize("impl", FUSED)
+@pytest.mark.parametrize("bits,out_dtype,average", [
+    (4, torch.float32, False), (8, torch.float32, True), (4, torch.bfloat16, True),
+    (8, torch.bfloat16, False), (4, torch.float16, True)])
+def test_decompress_matches_reference(impl, bits, out_dtype, average):
+    layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
+    table = kernels.block_table(layout, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    n = table.padded_numel
+    payload = torch.randint(0, 256, (n * bits // 8,), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(table.nblocks, generator=gen) * 1e-2
+    for rank in range(table.world):
+        ref = torch.full((table.shard,), 7.0, dtype=out_dtype)
+        got = ref.clone()
+        kernels.decompress_shard("torch", payload, scales, table, rank, bits=bits,
+                                 average=average, out=ref)
+        kernels.decompress_shard(impl, payload, scales, table, rank, bits=bits,
+                                 average=average, out=got)
+        tol = dict(rtol=1e-6, atol=1e-9) if out_dtype == torch.float32 else dict(rtol=0, atol=0)
+        torch.testing.assert_close(got, ref, **tol)
+
+
+def test_select():
+    cpu = torch.zeros(4)
+    assert kernels.select("torch", cpu) == "torch"
+    assert kernels.select("auto", cpu) == "cpu"
+    assert kernels.select("auto", cpu.double()) == "torch"  # exact fp64 identities
+    with pytest.raises(ValueError, match="--loco-kernels 'fast'"):
+        kernels.select("fast", cpu)
+    with pytest.raises(ValueError, match="--loco-kernels cpu: the C kernels run on CPU"):
+        kernels.select("cpu", torch.zeros(4, device="meta"))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        kernels.select("triton", torch.zeros(4))
+
+
+def _reduce_worker(rank, world, impls):
+    layout = BucketLayout.build(world * 500, world, 32, (77, 640))
+    outs = {}
+    for impl in impls:
+        comp = Compensator(LoCoConfig(bits=4, block_size=32, kernels=impl))
+        outs[impl] = []
+        for step in range(3):
+            g = torch.randn(world * 500, generator=torch.Generator().manual_seed(step * 10 + rank))
+            out = torch.empty(500)
+            compensated_reduce_scatter(out, g, op=dist.ReduceOp.AVG, compensator=comp, key=0,
+                                       layout=layout)
+            outs[impl].append(out)
+    return outs
+
+
+def test_reduce_scatter_same_result_as_reference():
+    """3 gloo ranks, parameter cuts, AVG: every implementation reduces to the reference's
+    shards (the C kernel always; Triton where installed, interpreted)."""
+    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON else [])
+    for outs in run_ranks(_reduce_worker, 3, impls):
+        for impl in impls[1:]:
+            for a, b in zip(outs["torch"], outs[impl]):
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
+
+
+COMPILE_SCRIPT = r"""
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from loco_megatron.kernels import triton_kernels as tk
+target = GPUTarget("cuda", int(sys.argv[1]), 32)
+opts = {"enable_fp_fusion": False}
+sig = {"g_ptr": "*bf16", "src_ptr": "*i64", "len_ptr": "*i32", "nblocks": "i32",
+       "ecodes_ptr": "*i8", "escales_ptr": "*fp32", "evalues_ptr": "*fp32", "payload_ptr": "*u8",
+       "scales_ptr": "*fp32", "flag_ptr": "*i32", "errsq_ptr": "*fp32", "beta": "fp32",
+       "omb": "fp32"}
+consts = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "INT8_ERR": True, "RESET": False,
+          "USE_BETA": True, "ERRSQ": True}
+sig.update({k: "constexpr" for k in consts})
+sig2 = {"payload_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "src_ptr": "*i64",
+        "len_ptr": "*i32", "nbs": "i32", "first": "i32", "out_base": "i64", "world": "i32"}
+consts2 = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "AVERAGE": True, "OUT_BF16": True}
+sig2.update({k: "constexpr" for k in consts2})
+for fn, sg, cs in ((tk._compress_kernel, sig, consts), (tk._decompress_kernel, sig2, consts2)):
+    k = triton.compile(ASTSource(fn=fn, signature=sg, constexprs=cs), target=target, options=opts)
+    sys.stdout.write(k.asm["ptx"] + "\n=====KERNEL=====\n")
+"""
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
+@pytest.mark.parametrize("arch", [80, 90])
+def test_triton_kernels_compile_for_gpus_without_fma(arch):
+    """PTX for sm_80/sm_90 (compiled here without a GPU): no FMA contraction, IEEE division."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(arch)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode:
+        if "ptxas" in proc.stderr or "CUDA" in proc.stderr:
+            pytest.skip(f"cannot compile for sm_{arch} here: {proc.stderr.strip()[-300:]}")
+        raise AssertionError(proc.stderr[-3000:])
+    comp, decomp = proc.stdout.split("=====KERNEL=====")[:2]
+    for ptx in (comp, decomp):
+        assert ".entry" in ptx
+        assert "fma." not in ptx  # no contraction: the same roundings as the reference
+        assert "div.full" not in ptx and "div.approx" not in ptx
+    assert "div.rn.f32" in comp and "atom" in comp
