@@ -1,14 +1,15 @@
 """CPU fused kernels (``--loco-kernels cpu``): ``cpu_kernels.c`` compiled on first use, via ctypes.
 
-The C file is built once per source version with the system C compiler (``$CC``, default
-``cc``) into ``$LOCO_KERNEL_CACHE`` (default ``~/.cache/loco_megatron/kernels``), written under a
-temporary name and renamed, so ranks building at the same time never load a half-written file.
+The C file is built once per source version and CPU model with the system C compiler (``$CC``,
+default ``cc``) into ``$LOCO_KERNEL_CACHE`` (default ``~/.cache/loco_megatron/kernels``), written
+under a temporary name and renamed, so ranks building at the same time never load a half-written
+file.
 No torch headers are involved (the build takes well under a second). Without a compiler,
 ``auto`` falls back to the torch reference (:mod:`.reference`) and says so once in the log.
 
 ctypes releases the GIL during the call, so the compressed all-to-alls of other buckets keep
-running. Gradients in bf16/fp16 are converted to fp32 first (one extra pass; CPU buckets are fp32
-in practice).
+running. fp32 and bf16 gradients are read directly; fp16 ones are converted to fp32 first (one
+extra pass).
 """
 
 import ctypes
@@ -27,7 +28,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 #: IEEE fp32 semantics: no fast-math, no FMA contraction (the torch reference does none).
-CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared")
+#: -march=native: built on the machine that runs it (the cache key includes the CPU's flags).
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+          "-fPIC", "-shared")
 _P = ctypes.c_void_p
 
 
@@ -36,12 +39,25 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def _cpu_flags() -> str:
+    """This CPU's feature flags (a -march=native build must not run on another CPU model)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
+
+
 @lru_cache(maxsize=1)
 def _load():
     """(library, None) or (None, reason)."""
     src = SOURCE.read_bytes()
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(src + " ".join((cc,) + CFLAGS).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + " ".join((cc,) + CFLAGS + (_cpu_flags(),)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"loco_cpu_kernels_{tag}.so"
     if not target.exists():
         try:
@@ -58,7 +74,7 @@ def _load():
             return None, f"cannot build {SOURCE.name} with {cc!r} into {target.parent}: {exc}"
     lib = ctypes.CDLL(str(target))
     lib.loco_compress.restype = ctypes.c_int
-    lib.loco_compress.argtypes = [_P, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+    lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
                                   ctypes.c_float, ctypes.c_int, ctypes.c_int, _P]
     lib.loco_decompress.restype = ctypes.c_int
@@ -90,14 +106,16 @@ def _ptr(t: Optional[torch.Tensor]):
 def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     """C implementation of :func:`loco_megatron.kernels.compress_bucket`."""
     lib, _ = _load()
-    g = g.reshape(-1).contiguous().float()
+    g = g.reshape(-1).contiguous()
+    if g.dtype not in (torch.float32, torch.bfloat16):
+        g = g.float()
     payload = torch.empty(table.padded_numel * bits // 8, dtype=torch.uint8)
     scales = torch.empty(table.nblocks, dtype=torch.float32)
     err_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None
     int8 = err.storage == "int8"
     if not int8 and err.values.dtype != torch.float32:
         raise ValueError(f"the C kernels keep fp32 error values, got {err.values.dtype}")
-    rc = lib.loco_compress(_ptr(g), _ptr(table.src), _ptr(table.length), table.nblocks,
+    rc = lib.loco_compress(_ptr(g), int(g.dtype == torch.bfloat16), _ptr(table.src), _ptr(table.length), table.nblocks,
                            table.block_size, bits, int(int8),
                            _ptr(err.codes if int8 else None), _ptr(err.scales if int8 else None),
                            _ptr(None if int8 else err.values), _ptr(payload), _ptr(scales),

@@ -12,6 +12,23 @@
 
 #define RNE(x) (((x) + 12582912.f) - 12582912.f)
 
+/* max |x| as a bit pattern: an integer max, which compilers vectorize (a float max reduction
+ * they do not, without fast-math). Above 0x7F800000 (inf) means a NaN is present. */
+static uint32_t absmax_bits(const float *x, int n) {
+  uint32_t m = 0;
+  for (int i = 0; i < n; i++) {
+    union { float f; uint32_t u; } v = {x[i]};
+    const uint32_t a = v.u & 0x7FFFFFFFu;
+    m = a > m ? a : m;
+  }
+  return m;
+}
+
+static float bits_to_float(uint32_t u) {
+  union { uint32_t u; float f; } v = {u};
+  return v.f;
+}
+
 static float clamp_code(float r, float lo, float hi) {
   r = r < lo ? lo : r;
   r = r > hi ? hi : r;
@@ -19,12 +36,12 @@ static float clamp_code(float r, float lo, float hi) {
 }
 
 /* One pass per block: h = g + e; codes/scale of h; e = beta * e + (1 - beta) * (h - deQ).
- * g: fp32 bucket; src/len: block table; err: int8 codes + fp32 scale per block (err_int8) or
+ * g: fp32 (or bf16 when g_bf16) bucket; src/len: block table; err: int8 codes + fp32 scale per block (err_int8) or
  * fp32 values. Writes payload (bits 4: two codes per byte, even element in the low nibble; bits
  * 8: int8 codes), scales, the error, and *err_sq (sum of (h - deQ)^2, may be NULL). Returns 1
  * when some block is non-finite (the caller then clears the error buffer), 0 otherwise, -1 when
  * out of memory. */
-int loco_compress(const float *g, const int64_t *src, const int32_t *len, int64_t nblocks,
+int loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *len, int64_t nblocks,
                   int B, int bits, int err_int8, int8_t *ecodes, float *escales, float *evalues,
                   uint8_t *payload, float *scales, float beta, float omb, int use_beta,
                   int reset, double *err_sq) {
@@ -35,7 +52,8 @@ int loco_compress(const float *g, const int64_t *src, const int32_t *len, int64_
   int nonfinite = 0;
   double total = 0.0;
   for (int64_t b = 0; b < nblocks; b++) {
-    const float *gb = g + src[b];
+    const float *gb = (const float *)g + src[b];
+    const uint16_t *gh = (const uint16_t *)g + src[b];
     const int L = len[b];
     const int64_t off = b * (int64_t)B;
     if (reset) {
@@ -46,27 +64,32 @@ int loco_compress(const float *g, const int64_t *src, const int32_t *len, int64_
     } else {
       for (int i = 0; i < B; i++) e[i] = evalues[off + i];
     }
-    for (int i = 0; i < L; i++) h[i] = gb[i] + e[i];
+    if (g_bf16) /* bf16 -> fp32 is exact: the high half of the fp32 bit pattern */
+      for (int i = 0; i < L; i++) h[i] = bits_to_float((uint32_t)gh[i] << 16) + e[i];
+    else
+      for (int i = 0; i < L; i++) h[i] = gb[i] + e[i];
     for (int i = L; i < B; i++) h[i] = 0.f + e[i];
-    float amax = 0.f;
-    int nan = 0;
-    for (int i = 0; i < B; i++) {
-      const float a = fabsf(h[i]);
-      amax = a > amax ? a : amax;
-      nan |= h[i] != h[i];
-    }
+    const uint32_t abits = absmax_bits(h, B);
+    const int nan = abits > 0x7F800000u;
+    const float amax = bits_to_float(abits);
     const float scale = nan ? NAN : amax / qmax;
     if (nan || amax > FLT_MAX) nonfinite = 1;
     const float safe = scale > 0.f ? scale : 1.f;
     scales[b] = scale;
     for (int i = 0; i < B; i++) q[i] = clamp_code(RNE(h[i] / safe), -qmax - 1.f, qmax);
-    double sq = 0.0;
-    for (int i = 0; i < B; i++) {
-      const float err = h[i] - q[i] * scale;
-      sq += (double)err * (double)err;
-      h[i] = use_beta ? beta * e[i] + omb * err : err; /* h now holds the new error */
+    if (err_sq) {
+      double sq = 0.0;
+      for (int i = 0; i < B; i++) {
+        const float err = h[i] - q[i] * scale;
+        sq += (double)err * (double)err;
+      }
+      total += sq;
     }
-    total += sq;
+    if (use_beta) {
+      for (int i = 0; i < B; i++) h[i] = beta * e[i] + omb * (h[i] - q[i] * scale);
+    } else {
+      for (int i = 0; i < B; i++) h[i] = h[i] - q[i] * scale; /* h now holds the new error */
+    }
     if (bits == 4) {
       uint8_t *p = payload + off / 2;
       for (int i = 0; i < B / 2; i++)
@@ -76,11 +99,7 @@ int loco_compress(const float *g, const int64_t *src, const int32_t *len, int64_
       for (int i = 0; i < B; i++) p[i] = (int8_t)q[i];
     }
     if (err_int8) {
-      float emax = 0.f;
-      for (int i = 0; i < B; i++) {
-        const float a = fabsf(h[i]);
-        emax = a > emax ? a : emax;
-      }
+      const float emax = bits_to_float(absmax_bits(h, B));
       const float es = emax / 127.f;
       const float esafe = es > 0.f ? es : 1.f;
       escales[b] = es;
