@@ -319,6 +319,22 @@ def compare(stock: List[Dict], loco: List[Dict], bits: int, block_size: int = 25
     return {"rows": rows}
 
 
+def llama2_7b_formula(dp_sizes, bits: int = 4) -> List[Dict]:
+    """:func:`loco_memory_formula` summed over LLaMA-2-7B's buckets at each DP size."""
+    from . import wire_bytes as wb
+
+    buckets = wb.llama2_7b_buckets(dp_sizes)
+    out = []
+    for dp in dp_sizes:
+        fs = [loco_memory_formula(wb.loco_layout(b, dp), b["grad_bytes"], bits, wb.BLOCK_SIZE)
+              for b in buckets[dp]]
+        out.append({"dp": dp, "buckets": len(fs), "largest": max(b["numel"] for b in buckets[dp]),
+                    "persistent": sum(f["persistent"] for f in fs),
+                    "transient": max(f["transient_peak"] for f in fs),
+                    "wire_all": sum(2 * dict(f["phases"])["all-to-all"][0][1] for f in fs)})
+    return out
+
+
 def run(quick: bool, workdir: Path) -> Section:
     dims = QUICK if quick else FULL
     per_rank = measure(("stock", "loco4"), dims)
@@ -359,18 +375,34 @@ def run(quick: bool, workdir: Path) -> Section:
               "| phase | MiB | bytes / element |", "|---|---|---|"]
     for name, b in r0["phase_bytes"].items():
         lines.append(f"| {name} | {_mib(b)} | {b / n:.2f} |")
-    lines += ["", "Persistent: int8 codes + one fp32 scale per block = n * (1 + 4/256) bytes "
-              "(exactly `error_bytes()`). The transient peak of the reference torch path is in "
-              "`Compensator.compress` (fp32 temporaries of the error moving average and of the "
-              "int8 re-quantization of the error), about 29-33 bytes per element, i.e. 7-8x the "
-              "fp32 gradient bucket; the wire buffers (0.52 bytes per element each way at 4 bits) "
-              "are small in comparison. With overlap_grad_reduce the same per-bucket transients "
-              "occur per bucket in flight, plus the wire buffers of every bucket awaiting its "
-              "wait(). The whole-run peak difference is smaller than persistent + transient when "
-              "the run's peak is elsewhere (forward/backward activations, optimizer step)."]
+    peak_b = r0["formula_transient"]
+    wire_b = r0["phase_bytes"]["all-to-all"] / 2
+    lines += ["", f"Persistent: int8 codes + one fp32 scale per block = n * (1 + 4/256) bytes "
+              f"(exactly `error_bytes()`). The transient peak of the current torch path is in "
+              f"`{r0['peak_phase']}`: {peak_b / n:.1f} bytes per element, "
+              f"{peak_b / (4 * n):.1f}x the fp32 gradient bucket (fp32 temporaries of the error "
+              f"moving average and of the int8 re-quantization of the error); the wire buffers "
+              f"({wire_b / n:.2f} bytes per element each way at 4 bits) are small in comparison. "
+              "With overlap_grad_reduce the same per-bucket transients occur per bucket being "
+              "compressed, plus the wire buffers of every bucket awaiting its wait(). The "
+              "whole-run peak difference is smaller than persistent + transient when stock's "
+              "peak is elsewhere (forward/backward activations, optimizer step)."]
+    big = llama2_7b_formula((8, 64) if quick else (8, 64, 512))
+    lines += ["", "The formula on LLaMA-2-7B (megatron-core's bucket layout of "
+              "benchmarks/wire_bytes.py, fp32 gradient buffer, LoCo-4, overlap_grad_reduce on: "
+              "one bucket compressed at a time; every rank keeps an error buffer for its whole "
+              "buckets, not a shard):", "",
+              "| DP | buckets | largest bucket (elements) | persistent error buffers GiB | transient "
+              "peak (largest bucket) GiB | wire buffers sent + received, all buckets in flight at once "
+              "(upper bound) GiB |",
+              "|---|---|---|---|---|---|"]
+    for b in big:
+        lines.append(f"| {b['dp']} | {b['buckets']} | {b['largest']:,} | "
+                     f"{b['persistent'] / 2 ** 30:.2f} | {b['transient'] / 2 ** 30:.2f} | "
+                     f"{b['wire_all'] / 2 ** 30:.2f} |")
     return Section(name="memory", title="Peak memory per rank: LoCo vs stock",
                    markdown="\n".join(lines),
-                   data={"dims": dims, "rows": rows, "measure": measure_kind,
+                   data={"dims": dims, "rows": rows, "measure": measure_kind, "llama2_7b": big,
                          "syncs": {"stock": [r["syncs"] for r in stock],
                                    "loco": [r["syncs"] for r in loco]}})
 

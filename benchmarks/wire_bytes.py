@@ -205,17 +205,27 @@ def count(buckets: List[Dict], dp: int, block_size: int = BLOCK_SIZE) -> Dict:
     return row
 
 
-def llama2_7b_counts(dp_sizes=DP_SIZES, block_size: int = BLOCK_SIZE) -> List[Dict]:
-    """:func:`count` for LLaMA-2-7B at each DP size (megatron's default bucket size)."""
-    rows = []
+def llama2_7b_buckets(dp_sizes=DP_SIZES) -> Dict[int, List[Dict]]:
+    """megatron's buckets (:func:`megatron_buckets`) of LLaMA-2-7B at each DP size (default
+    bucket size), and the model's parameter count under key ``"params"``."""
+    out = {}
     with single_process_megatron():
         cfg, module = build_meta_gpt(**LLAMA2_7B)
-        n_params = sum(p.numel() for p in module.parameters())
+        out["params"] = sum(p.numel() for p in module.parameters())
         for dp in dp_sizes:
-            row = count(megatron_buckets(cfg, module, dp), dp, block_size)
-            row["model_params"] = n_params
-            row["bucket_size"] = max(40_000_000, 1_000_000 * dp)  # megatron's default, reported
-            rows.append(row)
+            out[dp] = megatron_buckets(cfg, module, dp)
+    return out
+
+
+def llama2_7b_counts(dp_sizes=DP_SIZES, block_size: int = BLOCK_SIZE) -> List[Dict]:
+    """:func:`count` for LLaMA-2-7B at each DP size (megatron's default bucket size)."""
+    buckets = llama2_7b_buckets(dp_sizes)
+    rows = []
+    for dp in dp_sizes:
+        row = count(buckets[dp], dp, block_size)
+        row["model_params"] = buckets["params"]
+        row["bucket_size"] = max(40_000_000, 1_000_000 * dp)  # megatron's default, reported
+        rows.append(row)
     return rows
 
 
