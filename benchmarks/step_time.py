@@ -42,9 +42,10 @@ CPU_ARGS = ["--distributed-backend", "gloo", "--transformer-impl", "local",
 def schedule(cfg: Dict) -> Tuple[int, List[Tuple[str, List[int]]]]:
     """``(train_iters, [(rate, measured iterations), ...])`` for one run of ``cfg``.
 
-    Iterations 1..warmup are dropped (keep warmup >= 2: megatron-core 0.19 does not reset its
-    timers at the first iteration, so iteration 2's timer block covers iterations 1-2); each later rate is preceded by one dropped transition
-    iteration (the one running while the link is re-shaped).
+    Iterations 1..warmup are dropped (warmup >= 2: megatron-core 0.19 does not reset its timers
+    at the first iteration, so iteration 2's timer block covers iterations 1-2); each later rate
+    is preceded by one dropped transition iteration (the one running while the link is
+    re-shaped).
     """
     if cfg["warmup"] < 2:
         raise ValueError("warmup must be >= 2 (iteration 2's timers include iteration 1)")
