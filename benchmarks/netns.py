@@ -50,14 +50,25 @@ def namespaces() -> List[str]:
 
 
 def sweep_stale() -> List[str]:
-    """Delete ``loco-bench-<pid>-*`` namespaces whose creating process is gone; returns them."""
+    """Delete ``loco-bench-<pid>-*`` namespaces whose creating process is gone (killed with
+    SIGKILL, so its cleanup never ran), and the processes still inside; returns their names."""
     gone = []
     for ns in namespaces():
-        m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\d", ns)
+        m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\d+", ns)
         if m and not os.path.exists(f"/proc/{m[1]}"):
-            _ip("netns", "del", ns, check=False)
+            _delete(ns)
             gone.append(ns)
     return gone
+
+
+def _delete(ns: str) -> None:
+    """SIGKILL every process left inside namespace ``ns`` (they would outlive it), delete it."""
+    for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    _ip("netns", "del", ns, check=False)
 
 
 def _tbf(rate: str, burst_s: float = 0.004) -> List[str]:
@@ -133,15 +144,8 @@ class TwoNodeLink:
         for p in self.procs:
             kill_group(p)
         self.procs.clear()
-        for ns in self.ns:
-            # Processes started some other way inside the namespace would keep it busy.
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _ip("netns", "del", ns, check=False)
+        for ns in self.ns:  # also whatever else was started inside (it would keep running)
+            _delete(ns)
         if self._old_term is not None and _main_thread():
             signal.signal(signal.SIGTERM, self._old_term)
             self._old_term = None

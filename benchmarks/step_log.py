@@ -73,8 +73,11 @@ def summarize(steps: List[Step], timers=("all-grads-sync", "params-all-gather",
                                          "loco-compress", "loco-comm", "loco-decompress")) -> Dict:
     """Median step time and median per-step timer maxima (ms) over ``steps``.
 
-    The timers are the max over ranks (the step waits for the slowest rank); the gradient-sync
-    share is ``median(all-grads-sync) / median(step)``. Medians, not means: the CPUs are shared.
+    ``<timer>_ms_median`` is the max over ranks (the step waits for the slowest rank),
+    ``<timer>_min_ms_median`` the min. Shares are of ``median(step)``: ``grad_sync_share`` from
+    ``all-grads-sync`` (max), ``loco_comm_share`` from ``loco-comm`` (min over ranks: the rank
+    that reaches the blocking all-to-all last waits for the transfer only, not for the other
+    ranks' compression). Medians, not means: the CPUs are shared.
     """
     if not steps:
         return {}
@@ -83,14 +86,14 @@ def summarize(steps: List[Step], timers=("all-grads-sync", "params-all-gather",
            "step_ms_median": statistics.median(ms), "step_ms_mean": statistics.fmean(ms),
            "step_ms_min": min(ms)}
     for name in timers:
-        vals = [s.timers[name][1] for s in steps if name in s.timers]
-        if len(vals) == len(steps):
-            out[f"{name}_ms_median"] = statistics.median(vals)
-    sync = out.get("all-grads-sync_ms_median")
-    if sync is not None:
-        out["grad_sync_share"] = sync / out["step_ms_median"]
-    if "loco-comm_ms_median" in out:
-        out["loco_comm_share"] = out["loco-comm_ms_median"] / out["step_ms_median"]
+        if all(name in s.timers for s in steps):
+            out[f"{name}_ms_median"] = statistics.median(s.timers[name][1] for s in steps)
+            out[f"{name}_min_ms_median"] = statistics.median(s.timers[name][0] for s in steps)
+    for key, name in (("grad_sync_share", "all-grads-sync_ms_median"),
+                      ("params_all_gather_share", "params-all-gather_ms_median"),
+                      ("loco_comm_share", "loco-comm_min_ms_median")):
+        if name in out:
+            out[key] = out[name] / out["step_ms_median"]
     loco = [s.loco_bytes for s in steps if s.loco_bytes is not None]
     if loco:
         out["loco_wire_bytes_per_step"] = max(loco)

@@ -26,7 +26,7 @@ from .step_log import LogParser, summarize
 REPO = Path(__file__).resolve().parent.parent
 MODES = (("stock", 16), ("loco4", 4))  # (name, --loco-bits)
 CONFIG = {
-    "full": dict(rates=("1gbit", "10gbit"), dp=(2, 4), warmup=2, measure=6, run_timeout_s=300,
+    "full": dict(rates=("1gbit", "10gbit"), dp=(2, 4), warmup=2, measure=8, run_timeout_s=300,
                  model=dict(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=32,
                             micro_batch_size=1)),
     "quick": dict(rates=("1gbit", "10gbit"), dp=(2,), warmup=2, measure=3, run_timeout_s=200,
@@ -229,8 +229,8 @@ def _markdown(cfg: Dict, rate_check: Dict[str, float], runs: Dict) -> str:
         f"Link check (one TCP stream, namespace 0 → 1): {check}.", "",
         "| rate | DP | stock ms/step | LoCo ms/step | speedup (stock/LoCo) | grad-sync share "
         "stock | grad-sync share LoCo (wire part) | grad bytes/step/rank stock vs LoCo "
-        "| link bytes/step (ns0→ns1) stock vs LoCo |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "| link bytes/step (ns0→ns1) stock vs LoCo | param all-gather share stock / LoCo |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for dp in cfg["dp"]:
         st, lo = runs.get(f"dp{dp}-stock", {}), runs.get(f"dp{dp}-loco4", {})
@@ -248,11 +248,20 @@ def _markdown(cfg: Dict, rate_check: Dict[str, float], runs: Dict) -> str:
                 f"({_pct(c.get('loco_comm_share'))}) "
                 f"| {_fmt_bytes(sb[1])} vs {_fmt_bytes(c.get('loco_wire_bytes_per_step'))} "
                 f"| {_fmt_bytes(s.get('link_tx_bytes_per_step'))} vs "
-                f"{_fmt_bytes(c.get('link_tx_bytes_per_step'))} |")
+                f"{_fmt_bytes(c.get('link_tx_bytes_per_step'))} "
+                f"| {_pct(s.get('params_all_gather_share'))} / "
+                f"{_pct(c.get('params_all_gather_share'))} |")
+            link = s.get("link_tx_bytes_per_step")
+            if dp == 2 and link and sb[1]:  # ns0 -> ns1 = rank 0's sends: RS + AG
+                notes.append(f"{rate}, DP=2: stock sent {link / 2 ** 20:.1f} MiB/step over the "
+                             f"link, {link / (2 * sb[1]):.2f}x the reduce-scatter + all-gather "
+                             f"theory (2 x {sb[1] / 2 ** 20:.1f} MiB)")
     lines += ["", "Grad-sync share: Megatron's `all-grads-sync` timer (max over ranks; "
               "finish_grad_sync, i.e. the whole reduce-scatter, for LoCo including compression "
-              "and decompression) / step time; the wire part is LoCo's `loco-comm` timer. "
-              "`params-all-gather` (uncompressed in both) is in `data`. Grad bytes: exact "
+              "and decompression) / step time; the wire part is LoCo's `loco-comm` timer (min "
+              "over ranks: the blocking all-to-all's transfer, without waiting for a slower "
+              "rank's compression). Param all-gather: `params-all-gather` (fp32, not compressed "
+              "by LoCo, the same in both). Grad bytes: exact "
               "reduce-scatter bytes per rank (stock: LoCo's start-up line; LoCo: its telemetry). "
               "Link bytes: veth counter, everything namespace 0 sent per step (both "
               "collectives, other ranks' traffic, TCP/IP headers). With 2 ranks per namespace, "

@@ -6,6 +6,7 @@ No training runs here (the section itself is ``python -m benchmarks --only step_
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,7 +61,11 @@ def test_parser_loco_log():
     assert summary["grad_sync_share"] == pytest.approx(
         summary["all-grads-sync_ms_median"] / summary["step_ms_median"])
     assert summary["loco_wire_bytes_per_step"] == 5419128
-    assert "loco_comm_share" in summary
+    assert summary["loco-comm_min_ms_median"] == pytest.approx((124.88 + 240.95) / 2)
+    assert summary["loco_comm_share"] == pytest.approx(
+        summary["loco-comm_min_ms_median"] / summary["step_ms_median"])
+    assert summary["params_all_gather_share"] == pytest.approx(
+        (615.95 + 716.64) / 2 / summary["step_ms_median"])
 
 
 def test_parser_stock_log():
@@ -88,14 +93,16 @@ def test_markdown_table():
     cfg = dict(step_time.CONFIG["quick"], rates=("1gbit",), dp=(2,))
     runs = {"dp2-stock": {"error": "", "startup_bytes": None,
                           "1gbit": {"step_ms_median": 300.0, "grad_sync_share": 0.5,
-                                    "link_tx_bytes_per_step": 2 ** 20}},
+                                    "params_all_gather_share": 0.2,
+                                    "link_tx_bytes_per_step": 3 * 2 ** 22}},
             "dp2-loco4": {"error": "", "startup_bytes": (2 ** 19, 2 ** 22),
                           "1gbit": {"step_ms_median": 200.0, "grad_sync_share": 0.25,
                                     "loco_comm_share": 0.1, "loco_wire_bytes_per_step": 2 ** 19,
                                     "link_tx_bytes_per_step": 2 ** 19}}}
     md = step_time._markdown(cfg, {"1gbit": 1.2e8}, runs)
     assert "| 1gbit | 2 | 300 | 200 | 1.50x | 50% | 25% (10%) | 4.00 MiB vs 0.50 MiB " \
-           "| 1.00 MiB vs 0.50 MiB |" in md
+           "| 12.00 MiB vs 0.50 MiB | 20% / ? |" in md
+    assert "stock sent 12.0 MiB/step over the link, 1.50x the reduce-scatter + all-gather" in md
     assert "120 MB/s" in md
 
 
@@ -150,7 +157,15 @@ def test_sweeps_namespaces_of_dead_runs():
     name = f"{netns.PREFIX}{dead}-0"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
+        left = subprocess.Popen(["ip", "netns", "exec", name, sys.executable, "-c",
+                                 "import time; time.sleep(60)"])
+        for _ in range(100):  # until it has entered the namespace
+            if subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                              text=True).stdout.strip():
+                break
+            time.sleep(0.05)
         assert name in netns.sweep_stale()
         assert name not in netns.namespaces()
+        assert left.wait(timeout=10) != 0  # the left-over process was killed
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
