@@ -26,10 +26,14 @@ from .step_log import LogParser, summarize
 REPO = Path(__file__).resolve().parent.parent
 MODES = (("stock", 16), ("loco4", 4))  # (name, --loco-bits)
 CONFIG = {
-    "full": dict(rates=("1gbit", "10gbit"), dp=(2, 4), warmup=2, measure=8, run_timeout_s=300,
+    # section_budget_s: hard cap on the training runs (a run gets what is left; later runs are
+    # skipped), run_timeout_s: cap per run. Each run costs ~45-60 s of Megatron start-up here.
+    "full": dict(rates=("1gbit", "10gbit"), dp=(2, 4), warmup=2, measure=6, run_timeout_s=240,
+                 section_budget_s=420,
                  model=dict(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=32,
                             micro_batch_size=1)),
-    "quick": dict(rates=("1gbit", "10gbit"), dp=(2,), warmup=2, measure=3, run_timeout_s=200,
+    "quick": dict(rates=("1gbit", "10gbit"), dp=(2,), warmup=2, measure=3, run_timeout_s=150,
+                  section_budget_s=180,
                   model=dict(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=32,
                              micro_batch_size=1)),
 }
@@ -95,7 +99,7 @@ def _veth_tx(pid: int, dev: str) -> Optional[int]:
 
 
 def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Dict[str, str],
-              port: int, log_dir: Path) -> Dict:
+              port: int, log_dir: Path, timeout_s: float) -> Dict:
     """One Megatron run over ``link``, re-shaping it per :func:`schedule`; returns its figures.
 
     Returns ``{rate: summarize(...) + link_tx_bytes_per_step}`` plus ``startup_bytes`` and
@@ -135,12 +139,12 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Di
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    deadline, error = time.monotonic() + cfg["run_timeout_s"], ""
+    deadline, error = time.monotonic() + timeout_s, ""
     for p in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            error = f"timed out after {cfg['run_timeout_s']} s"
+            error = f"timed out after {timeout_s:.0f} s"
             break
     for p in procs:
         netns.kill_group(p)
@@ -174,6 +178,10 @@ def _ms(x: Optional[float]) -> str:
     return "?" if x is None else f"{x:.0f}"
 
 
+def _num(x: Optional[float]) -> str:
+    return "?" if x is None else f"{x:.1f}"
+
+
 def _pct(x: Optional[float]) -> str:
     return "?" if x is None else f"{100 * x:.0f}%"
 
@@ -195,26 +203,36 @@ def run(quick: bool, workdir: Path) -> Section:
     except (subprocess.SubprocessError, OSError) as e:
         sec.skipped = f"could not build the two-namespace link: {getattr(e, 'stderr', '') or e}"
         return sec
-    runs, rate_check = {}, {}
+    runs, rate_check, load = {}, {}, [None, None]
     try:
         for rate in cfg["rates"]:
             link.set_rate(rate)
             rate_check[rate] = link.measure_rate(nbytes=32 * 2 ** 20)
-        port = 29600 + os.getpid() % 200
+        port, end = 29600 + os.getpid() % 200, time.monotonic() + cfg["section_budget_s"]
+        load[0] = os.getloadavg()[0]
         for dp in cfg["dp"]:
             for mode, bits in MODES:
+                left = min(cfg["run_timeout_s"], end - time.monotonic())
+                if left < 30:
+                    runs[f"dp{dp}-{mode}"] = {"error": "not run: section time budget "
+                                              f"({cfg['section_budget_s']} s) spent"}
+                    continue
                 print(f"step_time: DP={dp} {mode} ...", file=sys.stderr, flush=True)
-                runs[f"dp{dp}-{mode}"] = train_run(link, cfg, dp, bits, data, port, log_dir)
+                runs[f"dp{dp}-{mode}"] = train_run(link, cfg, dp, bits, data, port, log_dir,
+                                                   left)
                 port += 1
+        load[1] = os.getloadavg()[0]
     finally:
         link.close()
     sec.data = {"config": cfg, "modes": dict(MODES), "rate_check_bytes_per_s": rate_check,
+                "load_average_1min_start_end": load, "cpu_count": os.cpu_count(),
                 "runs": runs, "logs": str(log_dir)}
-    sec.markdown = _markdown(cfg, rate_check, runs)
+    sec.markdown = _markdown(cfg, rate_check, runs, load)
     return sec
 
 
-def _markdown(cfg: Dict, rate_check: Dict[str, float], runs: Dict) -> str:
+def _markdown(cfg: Dict, rate_check: Dict[str, float], runs: Dict,
+              load: Tuple[Optional[float], Optional[float]] = (None, None)) -> str:
     m = cfg["model"]
     check = "; ".join(f"`tbf rate {r}` → {v / 1e6:.0f} MB/s ({v * 8 / 1e9:.2f} Gbit/s)"
                       for r, v in rate_check.items())
@@ -227,6 +245,9 @@ def _markdown(cfg: Dict, rate_check: Dict[str, float], runs: Dict) -> str:
         f"iterations after {cfg['warmup']} warm-up iterations; all rates in one run per "
         f"(DP, mode), the link re-shaped between them.", "",
         f"Link check (one TCP stream, namespace 0 → 1): {check}.", "",
+        f"Host load (1-min load average at the first / after the last run): "
+        f"{_num(load[0])} / {_num(load[1])} on {os.cpu_count()} CPUs: other jobs compete for "
+        f"the cores, so single steps vary a lot (per-iteration times are in `data`).", "",
         "| rate | DP | stock ms/step | LoCo ms/step | speedup (stock/LoCo) | grad-sync share "
         "stock | grad-sync share LoCo (wire part) | grad bytes/step/rank stock vs LoCo "
         "| link bytes/step (ns0→ns1) stock vs LoCo | param all-gather share stock / LoCo |",

@@ -99,11 +99,11 @@ def test_markdown_table():
                           "1gbit": {"step_ms_median": 200.0, "grad_sync_share": 0.25,
                                     "loco_comm_share": 0.1, "loco_wire_bytes_per_step": 2 ** 19,
                                     "link_tx_bytes_per_step": 2 ** 19}}}
-    md = step_time._markdown(cfg, {"1gbit": 1.2e8}, runs)
+    md = step_time._markdown(cfg, {"1gbit": 1.2e8}, runs, (1.5, 2.0))
     assert "| 1gbit | 2 | 300 | 200 | 1.50x | 50% | 25% (10%) | 4.00 MiB vs 0.50 MiB " \
            "| 12.00 MiB vs 0.50 MiB | 20% / ? |" in md
     assert "stock sent 12.0 MiB/step over the link, 1.50x the reduce-scatter + all-gather" in md
-    assert "120 MB/s" in md
+    assert "120 MB/s" in md and "1.5 / 2.0 on" in md
 
 
 def test_skips_without_root(monkeypatch, tmp_path):
@@ -169,3 +169,18 @@ def test_sweeps_namespaces_of_dead_runs():
         assert left.wait(timeout=10) != 0  # the left-over process was killed
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@needs_root
+def test_section_without_training_runs(monkeypatch, tmp_path):
+    """run() end to end with no time budget left for training: rate check, table, cleanup."""
+    monkeypatch.setitem(step_time.CONFIG, "quick",
+                        dict(step_time.CONFIG["quick"], section_budget_s=0))
+    monkeypatch.setattr(step_time, "default_corpus", lambda: {})
+    sec = step_time.run(quick=True, workdir=tmp_path)
+    assert not sec.skipped
+    assert set(sec.data["rate_check_bytes_per_s"]) == {"1gbit", "10gbit"}
+    assert 20e6 < sec.data["rate_check_bytes_per_s"]["1gbit"] < 200e6  # 125 MB/s cap
+    assert all("budget" in r["error"] for r in sec.data["runs"].values())
+    assert "| 1gbit | 2 | ? | ? | ? |" in sec.markdown and "Link check" in sec.markdown
+    assert _ours() == []
