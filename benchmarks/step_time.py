@@ -103,7 +103,7 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Di
     """One Megatron run over ``link``, re-shaping it per :func:`schedule`; returns its figures.
 
     Returns ``{rate: summarize(...) + link_tx_bytes_per_step}`` plus ``startup_bytes`` and
-    ``error`` (""), or ``error`` and ``log_tail`` when the run failed or timed out.
+    ``error`` (""), or ``error`` and ``node0_log``/``node1_log`` excerpts when it failed.
     """
     train_iters, segments = schedule(cfg)
     switch_after = {its[-1]: segments[i + 1][0] for i, (_, its) in enumerate(segments[:-1])}
@@ -140,12 +140,14 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Di
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline, error = time.monotonic() + timeout_s, ""
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            error = f"timed out after {timeout_s:.0f} s"
+    while any(p.poll() is None for p in procs):  # a failed node ends the run (10 s grace)
+        failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+        if failed:
+            deadline = min(deadline, time.monotonic() + 10)
+        if time.monotonic() > deadline:
+            error = f"timed out after {timeout_s:.0f} s" if not failed else ""
             break
+        time.sleep(0.5)
     for p in procs:
         netns.kill_group(p)
         link.procs.remove(p)
@@ -156,8 +158,9 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Di
                     "error": error}
     for rate, its in segments:
         if not all(i in parser.steps for i in its):
-            result["error"] = error or (f"iterations {its[0]}-{its[-1]} missing from the log "
-                                        f"(exit codes {[p.returncode for p in procs]})")
+            result["error"] = result["error"] or (
+                f"iterations {its[0]}-{its[-1]} missing from the log (exit codes "
+                f"{[p.returncode for p in procs]}; logs in {log_dir})")
             continue
         r = summarize([parser.steps[i] for i in its])
         first, last = tx.get(its[0] - 1), tx.get(its[-1])
@@ -165,8 +168,10 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Di
             r["link_tx_bytes_per_step"] = (last - first) / len(its)
         result[rate] = r
     if result["error"]:
-        log = (log_dir / f"{tag}.node1.log").read_text(errors="replace").splitlines()
-        result["log_tail"] = log[-15:]
+        for k in (0, 1):  # the launcher's summary hides the cause: keep error lines too
+            lines = (log_dir / f"{tag}.node{k}.log").read_text(errors="replace").splitlines()
+            result[f"node{k}_log"] = ([ln for ln in lines if ln.startswith("error:")
+                                       or "Error" in ln][-4:] + lines[-4:])
     return result
 
 
@@ -261,7 +266,10 @@ def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
         st, lo = runs.get(f"dp{dp}-stock", {}), runs.get(f"dp{dp}-loco4", {})
         for r in (st, lo):
             if r.get("error"):
-                notes.append(f"DP={dp}: run failed: {r['error']}")
+                cause = [ln for ln in r.get("node0_log", []) + r.get("node1_log", [])
+                         if ln.startswith("error:")][:1]
+                notes.append(f"DP={dp}: run failed: {r['error']}"
+                             + (f": `{cause[0]}`" if cause else ""))
         sb = (lo.get("startup_bytes") or (None, None))
         for rate in cfg["rates"]:
             s, c = st.get(rate, {}), lo.get(rate, {})
