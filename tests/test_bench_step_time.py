@@ -13,8 +13,24 @@ import pytest
 from benchmarks import netns, step_time
 from benchmarks.step_log import LogParser, summarize
 
-needs_root = pytest.mark.skipif(bool(netns.unavailable()),
-                                reason=netns.unavailable() or "namespaces available")
+
+
+def _link_unavailable() -> str:
+    """Why no namespace link can be built here: not root, no iproute2, or creation refused."""
+    why = netns.unavailable()
+    if not why:
+        link = netns.TwoNodeLink("100mbit", tag=9)
+        try:
+            link.open()
+        except (subprocess.SubprocessError, OSError) as e:
+            why = f"cannot build the namespace link here: {getattr(e, 'stderr', '') or e}"
+        finally:
+            link.close()
+    return why
+
+
+_WHY = _link_unavailable()
+needs_root = pytest.mark.skipif(bool(_WHY), reason=_WHY or "namespaces available")
 
 # Captured from `python -m benchmarks --only step_time --quick` (megatron-core 0.19.2, DP=2).
 LOCO_LOG = """\
