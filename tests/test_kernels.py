@@ -123,6 +123,14 @@ def test_select():
     cpu = torch.zeros(4)
     assert kernels.select("torch", cpu) == "torch"
     assert kernels.select("auto", cpu) == "cpu"
+    from loco_megatron.emulation import cpu_cuda
+
+    cpu_cuda.activate()  # CPU tensors that report is_cuda: still the C kernel
+    try:
+        assert torch.zeros(4, device="cuda").is_cuda
+        assert kernels.select("auto", torch.zeros(4, device="cuda")) == "cpu"
+    finally:
+        cpu_cuda.deactivate()
     assert kernels.select("auto", cpu.double()) == "torch"  # exact fp64 identities
     with pytest.raises(ValueError, match="--loco-kernels 'fast'"):
         kernels.select("fast", cpu)

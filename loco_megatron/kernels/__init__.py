@@ -58,7 +58,8 @@ def select(choice: str, tensor: torch.Tensor) -> str:
         raise ValueError(f"--loco-kernels {choice!r} is not one of {KERNEL_CHOICES}")
     if choice == "torch" or tensor.dtype == torch.float64:
         return "torch"
-    if choice == "triton" or (choice == "auto" and tensor.is_cuda):
+    # device.type, not is_cuda: the CPU emulation of CUDA reports is_cuda for CPU tensors
+    if choice == "triton" or (choice == "auto" and tensor.device.type == "cuda"):
         from . import triton_kernels
 
         reason = triton_kernels.unavailable_reason(tensor)
