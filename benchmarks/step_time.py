@@ -28,14 +28,17 @@ MODES = (("stock", 16), ("loco4", 4))  # (name, --loco-bits)
 CONFIG = {
     # section_budget_s: hard cap on the training runs (a run gets what is left; later runs are
     # skipped), run_timeout_s: cap per run. Each run costs ~45-60 s of Megatron start-up here.
+    # bf16: Megatron's usual mixed precision: bf16 parameters (all-gathered in bf16), gradients
+    # accumulated and reduce-scattered in fp32 (megatron.training sets
+    # accumulate_allreduce_grads_in_fp32 for bf16).
     "full": dict(rates=("1gbit", "10gbit"), dp=(2, 4), warmup=2, measure=6, run_timeout_s=240,
                  section_budget_s=420,
-                 model=dict(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=32,
-                            micro_batch_size=1)),
+                 model=dict(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=16,
+                            micro_batch_size=1, bf16=True)),
     "quick": dict(rates=("1gbit", "10gbit"), dp=(2,), warmup=2, measure=3, run_timeout_s=150,
                   section_budget_s=180,
-                  model=dict(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=32,
-                             micro_batch_size=1)),
+                  model=dict(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=16,
+                             micro_batch_size=1, bf16=True)),
 }
 CPU_ARGS = ["--distributed-backend", "gloo", "--transformer-impl", "local",
             "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
@@ -75,7 +78,8 @@ def megatron_args(cfg: Dict, dp: int, bits: int, train_iters: int,
         "--use-distributed-optimizer", "--log-interval", "1", "--timing-log-level", "2",
         "--eval-interval", "1000000", "--eval-iters", "0",
         "--data-path", data["DATA_PREFIX"], "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", data["TOKENIZER_DIR"], "--loco-bits", str(bits)]
+        "--tokenizer-model", data["TOKENIZER_DIR"], "--loco-bits", str(bits)] + (
+        ["--bf16"] if m.get("bf16") else [])
 
 
 def default_corpus() -> Dict[str, str]:
@@ -247,8 +251,10 @@ def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
                       if v else f"`tbf rate {r}` → check failed" for r, v in rate_check.items())
     lines = [
         f"Megatron GPT ({m['num_layers']} layer, hidden {m['hidden_size']}, seq "
-        f"{m['seq_length']}, micro-batch {m['micro_batch_size']} per rank, fp32 gradients on "
-        f"CPU ranks, gloo), distributed optimizer, **no** `--overlap-grad-reduce` (gradient "
+        f"{m['seq_length']}, micro-batch {m['micro_batch_size']} per rank, "
+        + ("`--bf16`: bf16 parameters, all-gathered in bf16, gradients accumulated and "
+           "reduce-scattered in fp32, " if m.get("bf16") else "fp32 parameters and gradients, ")
+        + f"CPU ranks, gloo), distributed optimizer, **no** `--overlap-grad-reduce` (gradient "
         f"communication is not hidden). Two namespaces joined by a veth pair shaped with "
         f"`tc tbf` on both ends; DP/2 ranks per namespace. Medians over {cfg['measure']} "
         f"iterations after {cfg['warmup']} warm-up iterations; all rates in one run per "
