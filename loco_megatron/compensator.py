@@ -187,7 +187,7 @@ class Compensator:
         reset = bool(cfg.reset_interval and step > 0 and step % cfg.reset_interval == 0)
         if reset:
             self.stats.resets += 1
-        payload, scales, nonfinite, err_sq = kernels.compress_bucket(
+        payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
             impl, g.reshape(-1), table, buf, bits=cfg.bits, beta=cfg.beta, reset=reset,
             want_err_sq=self.metrics is not None)
         self._nonfinite.append(nonfinite)
@@ -195,7 +195,8 @@ class Compensator:
             self._nonfinite = [torch.stack([t.to(nonfinite.device) for t in self._nonfinite])
                                .sum(dtype=torch.int64)]
         if self.metrics is not None:
-            self.metrics.record(err_sq, buf.squared_norm(), nonfinite)
+            self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,
+                                nonfinite)
         self.stats.steps[key] = step + 1
         self.stats.calls += 1
         return payload, scales

@@ -49,8 +49,11 @@ def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None):
         g = (torch.randn(layout.numel, generator=gen) * 10 ** (step - 2)).to(dtype)
         if bad is not None and step == 2:
             g[1234] = bad
-        payload, scales, nonfinite, err_sq = kernels.compress_bucket(
+        payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
             impl, g, table, err, bits=bits, beta=beta, reset=step == 1, want_err_sq=True)
+        if buf_sq is not None:  # computed on the way: the stored buffer's norm (fp32 decode)
+            ref = float(err.get().double().square().sum())
+            assert abs(float(buf_sq) - ref) <= 1e-6 * max(ref, 1e-30), (float(buf_sq), ref)
         out.append((payload.clone(), scales.clone(), bool(nonfinite), float(err_sq),
                     err.get().clone()))
     return out

@@ -92,7 +92,8 @@ def _module(impl: str):
 
 def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits: int,
                     beta: float, reset: bool, want_err_sq: bool
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                               Optional[torch.Tensor]]:
     """Compensate, quantize, pack and update the error of one bucket in one pass.
 
     Args:
@@ -108,9 +109,11 @@ def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits:
         want_err_sq: also return ``||h - deQ(Q(h))||^2`` (telemetry).
 
     Returns:
-        ``(payload, scales, nonfinite, err_sq)``: uint8 ``[padded_numel * bits / 8]``, fp32
-        ``[nblocks]``, a 0-dim bool tensor (some block non-finite: error buffer cleared), and a
-        0-dim fp64 tensor or None. All on ``g``'s device; no host sync.
+        ``(payload, scales, nonfinite, err_sq, buf_sq)``: uint8 ``[padded_numel * bits / 8]``,
+        fp32 ``[nblocks]``, a 0-dim bool tensor (some block non-finite: error buffer cleared),
+        0-dim fp64 ``||h - deQ(Q(h))||^2`` or None, and 0-dim fp64 ``||e||^2`` of the updated
+        error buffer when the implementation computed it on the way (C, int8 storage, with
+        ``want_err_sq``) else None. All on ``g``'s device; no host sync.
     """
     return _module(impl).compress_bucket(g, table, err, bits=bits, beta=beta, reset=reset,
                                          want_err_sq=want_err_sq)

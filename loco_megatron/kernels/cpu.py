@@ -76,7 +76,7 @@ def _load():
     lib.loco_compress.restype = ctypes.c_int
     lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
-                                  ctypes.c_float, ctypes.c_int, ctypes.c_int, _P]
+                                  ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
     lib.loco_decompress.restype = ctypes.c_int
     lib.loco_decompress.argtypes = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -112,6 +112,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     payload = torch.empty(table.padded_numel * bits // 8, dtype=torch.uint8)
     scales = torch.empty(table.nblocks, dtype=torch.float32)
     err_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None
+    buf_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None
     int8 = err.storage == "int8"
     if not int8 and err.values.dtype != torch.float32:
         raise ValueError(f"the C kernels keep fp32 error values, got {err.values.dtype}")
@@ -120,14 +121,17 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
                            _ptr(err.codes if int8 else None), _ptr(err.scales if int8 else None),
                            _ptr(None if int8 else err.values), _ptr(payload), _ptr(scales),
                            float(beta), 1.0 - float(beta), int(beta != 0), int(reset),
-                           _ptr(err_sq))
+                           _ptr(err_sq), _ptr(buf_sq))
     if rc < 0:
         raise MemoryError("loco_compress: out of memory for a block workspace")
     if rc:  # non-finite: clear, as the reference does (free on CPU: no device to sync)
         err.zero_()
         if err_sq is not None:
             err_sq.zero_()
-    return payload, scales, torch.tensor(bool(rc)), err_sq
+            buf_sq.zero_()
+    if buf_sq is not None and float(buf_sq) < 0:  # fp32 storage: not computed in C
+        buf_sq = None
+    return payload, scales, torch.tensor(bool(rc)), err_sq, buf_sq
 
 
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):

@@ -38,19 +38,20 @@ static float clamp_code(float r, float lo, float hi) {
 /* One pass per block: h = g + e; codes/scale of h; e = beta * e + (1 - beta) * (h - deQ).
  * g: fp32 (or bf16 when g_bf16) bucket; src/len: block table; err: int8 codes + fp32 scale per block (err_int8) or
  * fp32 values. Writes payload (bits 4: two codes per byte, even element in the low nibble; bits
- * 8: int8 codes), scales, the error, and *err_sq (sum of (h - deQ)^2, may be NULL). Returns 1
+ * 8: int8 codes), scales, the error, *err_sq (sum of (h - deQ)^2, may be NULL) and *buf_sq
+ * (||e||^2 of the stored int8 error, -1 for fp32 storage; may be NULL). Returns 1
  * when some block is non-finite (the caller then clears the error buffer), 0 otherwise, -1 when
  * out of memory. */
 int loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *len, int64_t nblocks,
                   int B, int bits, int err_int8, int8_t *ecodes, float *escales, float *evalues,
                   uint8_t *payload, float *scales, float beta, float omb, int use_beta,
-                  int reset, double *err_sq) {
+                  int reset, double *err_sq, double *buf_sq) {
   float *h = malloc(sizeof(float) * 3 * (size_t)B);
   if (!h) return -1;
   float *e = h + B, *q = h + 2 * B;
   const float qmax = (float)((1 << (bits - 1)) - 1);
   int nonfinite = 0;
-  double total = 0.0;
+  double total = 0.0, total_buf = 0.0;
   for (int64_t b = 0; b < nblocks; b++) {
     const float *gb = (const float *)g + src[b];
     const uint16_t *gh = (const uint16_t *)g + src[b];
@@ -77,12 +78,20 @@ int loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *
     const float safe = scale > 0.f ? scale : 1.f;
     scales[b] = scale;
     for (int i = 0; i < B; i++) q[i] = clamp_code(RNE(h[i] / safe), -qmax - 1.f, qmax);
-    if (err_sq) {
+    if (err_sq) { /* 8 independent fp32 lanes (vectorizable), summed in fp64 per block */
+      float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      int i = 0;
+      for (; i + 8 <= B; i += 8)
+        for (int k = 0; k < 8; k++) {
+          const float err = h[i + k] - q[i + k] * scale;
+          lane[k] += err * err;
+        }
       double sq = 0.0;
-      for (int i = 0; i < B; i++) {
+      for (; i < B; i++) {
         const float err = h[i] - q[i] * scale;
         sq += (double)err * (double)err;
       }
+      for (int k = 0; k < 8; k++) sq += lane[k];
       total += sq;
     }
     if (use_beta) {
@@ -103,13 +112,20 @@ int loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *
       const float es = emax / 127.f;
       const float esafe = es > 0.f ? es : 1.f;
       escales[b] = es;
-      for (int i = 0; i < B; i++) ecodes[off + i] = (int8_t)clamp_code(RNE(h[i] / esafe), -128.f, 127.f);
+      int32_t isum = 0;
+      for (int i = 0; i < B; i++) {
+        const int8_t c = (int8_t)clamp_code(RNE(h[i] / esafe), -128.f, 127.f);
+        ecodes[off + i] = c;
+        isum += (int32_t)c * c;
+      }
+      total_buf += (double)es * (double)es * (double)isum;
     } else {
       for (int i = 0; i < B; i++) evalues[off + i] = h[i];
     }
   }
   free(h);
   if (err_sq) *err_sq = total;
+  if (buf_sq) *buf_sq = err_int8 ? total_buf : -1.0;
   return nonfinite;
 }
 

@@ -27,7 +27,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     err_sq = None
     if want_err_sq:
         err_sq = torch.where(nonfinite, 0.0, torch.dot(err_now, err_now).double())
-    return pack_codes(codes, bits), scales, nonfinite, err_sq
+    return pack_codes(codes, bits), scales, nonfinite, err_sq, None
 
 
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):

@@ -205,7 +205,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     err_sq = None
     if want_err_sq:
         err_sq = torch.where(nonfinite, 0.0, errsq.double().sum())
-    return payload, scales, nonfinite, err_sq
+    return payload, scales, nonfinite, err_sq, None
 
 
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):
