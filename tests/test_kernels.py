@@ -183,8 +183,8 @@ target = GPUTarget("cuda", int(sys.argv[1]), 32)
 opts = {"enable_fp_fusion": False}
 sig = {"g_ptr": "*bf16", "src_ptr": "*i64", "len_ptr": "*i32", "nblocks": "i32",
        "ecodes_ptr": "*i8", "escales_ptr": "*fp32", "evalues_ptr": "*fp32", "payload_ptr": "*u8",
-       "scales_ptr": "*fp32", "flag_ptr": "*i32", "errsq_ptr": "*fp32", "beta": "fp32",
-       "omb": "fp32"}
+       "scales_ptr": "*fp32", "flag_ptr": "*i32", "errsq_ptr": "*fp32", "bufsq_ptr": "*fp32",
+       "beta": "fp32", "omb": "fp32"}
 consts = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "INT8_ERR": True, "RESET": False,
           "USE_BETA": True, "ERRSQ": True}
 sig.update({k: "constexpr" for k in consts})

@@ -58,7 +58,7 @@ if triton is not None:
 
     @triton.jit
     def _compress_kernel(g_ptr, src_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr, evalues_ptr,
-                         payload_ptr, scales_ptr, flag_ptr, errsq_ptr, beta, omb,
+                         payload_ptr, scales_ptr, flag_ptr, errsq_ptr, bufsq_ptr, beta, omb,
                          B: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
                          BITS: tl.constexpr, INT8_ERR: tl.constexpr, RESET: tl.constexpr,
                          USE_BETA: tl.constexpr, ERRSQ: tl.constexpr):
@@ -118,9 +118,14 @@ if triton is not None:
             emax = tl.maximum(tl.max(tl.abs(ne), axis=1), tl.max(tl.abs(no), axis=1))
             es2 = tl.math.div_rn(emax, 127.0)
             esafe = tl.where(es2 > 0, es2, 1.0)[:, None]
-            tl.store(ecodes_ptr + base + ev[None, :], _codes(ne, esafe, -128.0, 127.0).to(tl.int8), mask=m)
-            tl.store(ecodes_ptr + base + od[None, :], _codes(no, esafe, -128.0, 127.0).to(tl.int8), mask=m)
+            ce = _codes(ne, esafe, -128.0, 127.0)
+            co = _codes(no, esafe, -128.0, 127.0)
+            tl.store(ecodes_ptr + base + ev[None, :], ce.to(tl.int8), mask=m)
+            tl.store(ecodes_ptr + base + od[None, :], co.to(tl.int8), mask=m)
             tl.store(escales_ptr + rows, es2, mask=rmask)
+            if ERRSQ:  # ||e||^2 of the stored error, per block: scale^2 * sum(codes^2)
+                csq = tl.sum(ce * ce, axis=1) + tl.sum(co * co, axis=1)
+                tl.store(bufsq_ptr + rows, es2 * es2 * csq, mask=rmask)
         else:
             tl.store(evalues_ptr + base + ev[None, :], ne, mask=m)
             tl.store(evalues_ptr + base + od[None, :], no, mask=m)
@@ -184,6 +189,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     scales = torch.empty(table.nblocks, dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     errsq = torch.empty(table.nblocks, dtype=torch.float32, device=dev) if want_err_sq else flag
+    bufsq = torch.empty_like(errsq) if want_err_sq else flag
     int8 = err.storage == "int8"
     if not int8 and err.values.dtype != torch.float32:
         raise ValueError(f"the Triton kernels keep fp32 error values, got {err.values.dtype}")
@@ -192,7 +198,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
         g, table.src, table.length, table.nblocks,
         err.codes if int8 else dummy, err.scales if int8 else dummy,
         dummy if int8 else err.values,
-        payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq,
+        payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq, bufsq,
         float(beta), 1.0 - float(beta),
         B=table.block_size, HALF=_half(table.block_size), ROWS=ROWS, BITS=bits,
         INT8_ERR=int8, RESET=bool(reset), USE_BETA=beta != 0, ERRSQ=bool(want_err_sq),
@@ -202,10 +208,12 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
         err.scales.masked_fill_(nonfinite, 0.0)
     else:
         err.values.masked_fill_(nonfinite, 0.0)
-    err_sq = None
+    err_sq = buf_sq = None
     if want_err_sq:
         err_sq = torch.where(nonfinite, 0.0, errsq.double().sum())
-    return payload, scales, nonfinite, err_sq, None
+        if int8:
+            buf_sq = torch.where(nonfinite, 0.0, bufsq.double().sum())
+    return payload, scales, nonfinite, err_sq, buf_sq
 
 
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):
