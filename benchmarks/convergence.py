@@ -279,6 +279,18 @@ def final_loss(train: Dict[int, float], k: int) -> Tuple[float, float]:
     return mean, math.sqrt(var / len(vals))
 
 
+def paired(a: Dict[int, float], b: Dict[int, float], k: int) -> Tuple[float, float]:
+    """Relative difference of run ``a`` to run ``b`` over the last ``k`` iterations, from the
+    per-iteration differences (same batches in both runs, so most of the batch-to-batch noise
+    cancels): ``(mean(a_i - b_i) / mean(b_i), se(a_i - b_i) / mean(b_i))``. The first value
+    equals ``rel`` of the two :func:`final_loss` means."""
+    its = sorted(set(a) & set(b))[-k:]
+    d = {i: a[i] - b[i] for i in its}
+    mean_d, se_d = final_loss(d, k)
+    mean_b = sum(b[i] for i in its) / len(its)
+    return mean_d / mean_b, se_d / mean_b
+
+
 def rel(a: float, b: float) -> float:
     """Relative difference ``(a - b) / b``."""
     return (a - b) / b
@@ -302,7 +314,10 @@ def summarize(results: Dict[str, RunResult], k: int) -> Dict[str, object]:
         mean, se = final_loss(r.train, k)
         rows[key] = {"train": mean, "train_se": se, "valid": r.valid, "seconds": r.seconds,
                      "iter_ms": r.iter_ms}
+    for key, row in rows.items():
+        row["paired_vs_full"] = paired(results[key].train, results["full"].train, k)
     return {"rows": rows, "k": min(k, min(len(r.train) for r in results.values())),
+            "paired_loco_vs_nocomp": paired(results["loco"].train, results["nocomp"].train, k),
             "train": acceptance({key: row["train"] for key, row in rows.items()}),
             "valid": acceptance({key: row["valid"] for key, row in rows.items()})}
 
@@ -323,13 +338,16 @@ def markdown(summary: Dict[str, object], cfg: Config, extra_note: str = "") -> s
              "(Python stdlib sources, BPE vocab 8192). Final training loss: mean of the last "
              f"{k} iterations (± standard error); validation loss: Megatron's final evaluation "
              f"({cfg.eval_iters} batches).", "",
-             "| run | final train loss | vs full | validation loss | vs full | ms/iter |",
-             "|---|---|---|---|---|---|"]
+             "| run | final train loss | vs full | vs full, paired ± se | validation loss "
+             "| vs full | ms/iter |",
+             "|---|---|---|---|---|---|---|"]
     for v in VARIANTS:
         r = rows[v.key]
         ms = f"{r['iter_ms']:.0f}" if r["iter_ms"] is not None else "?"
         lines.append(f"| {v.label} | {r['train']:.4f} ± {r['train_se']:.4f} | "
-                     f"{_pct(rel(r['train'], full['train']))} | {r['valid']:.4f} | "
+                     f"{_pct(rel(r['train'], full['train']))} | "
+                     f"{_pct(r['paired_vs_full'][0])} ± {100 * r['paired_vs_full'][1]:.2f}% | "
+                     f"{r['valid']:.4f} | "
                      f"{_pct(rel(r['valid'], full['valid']))} | {ms} |")
     lines.append("")
     for name, what in (("train", "final training loss"), ("valid", "validation loss")):
@@ -340,6 +358,12 @@ def markdown(summary: Dict[str, object], cfg: Config, extra_note: str = "") -> s
             f"LoCo vs 4-bit without compensation {_pct(a['loco_vs_nocomp'])} "
             f"({'lower' if a['lower_than_nocomp'] else 'NOT lower'}): "
             f"**{'met' if a['met'] else 'not met'}**.")
+    d, se = summary["paired_loco_vs_nocomp"]
+    lines += ["", f"Noise: the runs see the same batches, so the per-iteration differences over "
+              f"the last {k} iterations give a standard error for a difference (\"paired ± se\"). "
+              f"It is a lower bound on the noise: it misses seed-to-seed variation (one seed "
+              f"here), so a difference within a few se of zero is not evidence of anything. "
+              f"LoCo vs 4-bit without compensation, paired: {_pct(d)} ± {100 * se:.2f}%."]
     lines += ["", "4-bit without compensation is `--loco-reset-interval 1`: the compensator "
               "zeroes the error buffer before every step after the first (and it starts at zero), "
               "so `h_t = g_t + 0 = g_t` and only plain 4-bit quantization remains "
@@ -357,7 +381,8 @@ def plot(results: Dict[str, RunResult], path: Path, window: int = 10) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, dax) = plt.subplots(2, 1, figsize=(8, 8), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 2]})
     labels = {v.key: v.label.replace("`", "") for v in VARIANTS}
     for i, (key, r) in enumerate(results.items()):
         its = sorted(r.train)
@@ -369,7 +394,21 @@ def plot(results: Dict[str, RunResult], path: Path, window: int = 10) -> Path:
                   for j in range(len(vals))]
         ax.plot(its, smooth, color=color, linewidth=1.6,
                 label=f"{labels.get(key, key)} (val {r.valid:.3f})")
-    ax.set_xlabel("iteration")
+    base = results.get("full")
+    if base is not None:
+        for i, (key, r) in enumerate(results.items()):
+            if key == "full":
+                continue
+            its = sorted(set(r.train) & set(base.train))
+            diff = [r.train[s] - base.train[s] for s in its]
+            w = max(1, min(4 * window, len(diff)))
+            smooth = [sum(diff[max(0, j - w + 1):j + 1]) / len(diff[max(0, j - w + 1):j + 1])
+                      for j in range(len(diff))]
+            dax.plot(its, smooth, color=f"C{i}", linewidth=1.4, label=labels.get(key, key))
+        dax.axhline(0.0, color="C0", linewidth=1.0)
+        dax.set_ylabel(f"loss - full precision\n(mean of last {4 * window})")
+        dax.grid(True, alpha=0.3)
+    dax.set_xlabel("iteration")
     ax.set_ylabel(f"training loss (faint: raw, solid: mean of last {window})")
     ax.set_title("loco-megatron convergence: Python stdlib corpus, 2 CPU ranks")
     ax.grid(True, alpha=0.3)

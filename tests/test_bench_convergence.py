@@ -94,6 +94,14 @@ def test_final_loss_mean_and_standard_error():
     assert conv.final_loss(train, 1) == (4.0, 0.0)
 
 
+def test_paired_difference_hand_computed():
+    a, b = {1: 9.0, 2: 3.0, 3: 5.0, 4: 4.0}, {1: 1.0, 2: 2.0, 3: 4.0, 4: 4.0}
+    d, se = conv.paired(a, b, 3)  # differences 1, 1, 0; mean of b 10/3
+    assert d == pytest.approx((2 / 3) / (10 / 3))
+    assert se == pytest.approx((1 / 3) / (10 / 3))  # sample var 1/3, se sqrt(1/9)
+    assert d == pytest.approx(conv.rel(conv.final_loss(a, 3)[0], conv.final_loss(b, 3)[0]))
+
+
 def test_acceptance_hand_computed():
     a = conv.acceptance({"full": 2.0, "nocomp": 2.05, "ef": 2.02, "loco": 2.01})
     assert a["loco_vs_full"] == pytest.approx(0.005)
@@ -128,6 +136,8 @@ def test_summary_and_markdown_table():
     assert f"| {loco_train:.4f} ± " in md
     assert f"{100 * 0.02 / full_train:+.2f}%" in md
     assert md.count("**met**") == 2
+    assert s["paired_loco_vs_nocomp"][0] == pytest.approx(-0.18 / (full_train + 0.2))
+    assert s["paired_loco_vs_nocomp"][1] == pytest.approx(0.0)  # constant offset: no noise
     md = conv.markdown(conv.summarize({**_fake_results(), "loco": _fake_results()["nocomp"]},
                                       k=5), conv.Config(iters=30))
     assert md.count("**not met**") == 2 and "NOT lower" in md
