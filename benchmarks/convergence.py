@@ -17,7 +17,9 @@ LoCo                ``--loco-bits 4 --loco-err-beta 0.8`` (default)   moving-ave
 ==================  ================================================  ==========================
 
 The training loss of every iteration comes from the TensorBoard event files the runs write
-(``lm loss``, exact fp32 values, ``--log-interval 1``); the validation loss at the end from
+(``lm loss``, exact fp32 values, ``--log-interval 1``; the printed iteration lines have 7
+digits, and the one of iteration 2 averages iterations 1 and 2 because Megatron does not reset
+its accumulator after the first line); the validation loss at the end from
 Megatron's ``validation loss at iteration N on validation set`` line (TensorBoard writes the
 validation and test set under one tag), checked against the event file.
 
@@ -337,7 +339,9 @@ def markdown(summary: Dict[str, object], cfg: Config, extra_note: str = "") -> s
              f"{cfg.min_lr:g} after {cfg.warmup} warmup iterations; real default corpus "
              "(Python stdlib sources, BPE vocab 8192). Final training loss: mean of the last "
              f"{k} iterations (± standard error); validation loss: Megatron's final evaluation "
-             f"({cfg.eval_iters} batches).", "",
+             f"({cfg.eval_iters} batches). ms/iter: median from Megatron's log, for the "
+             "runtime only (CPU emulation, machine possibly shared; the step-time section "
+             "measures speed).", "",
              "| run | final train loss | vs full | vs full, paired ± se | validation loss "
              "| vs full | ms/iter |",
              "|---|---|---|---|---|---|---|"]
