@@ -35,7 +35,8 @@ evaluation, 110-170 s per run, 9 minutes for the four runs under load (less when
 size 4-bit without compensation ends measurably above full precision (+0.3 %). A probe at a 3x
 learning rate (3e-3 to 3e-4) was worse for full precision itself and put every 4-bit run *below*
 full precision (quantization noise helping an over-large step size), so the default schedule stays.
-The runs are deterministic: two full runs at different machine loads gave bit-identical losses.
+A 600-iteration probe (same schedule stretched) kept the picture: vs full precision, training
+loss +0.22 % without compensation, +0.31 % error feedback, +0.17 % LoCo. The runs are deterministic: two full runs at different machine loads gave bit-identical losses.
 """
 
 from __future__ import annotations
