@@ -59,24 +59,13 @@ def select(choice: str, tensor: torch.Tensor) -> str:
     if choice == "torch" or tensor.dtype == torch.float64:
         return "torch"
     # device.type, not is_cuda: the CPU emulation of CUDA reports is_cuda for CPU tensors
-    if choice == "triton" or (choice == "auto" and tensor.device.type == "cuda"):
-        from . import triton_kernels
-
-        reason = triton_kernels.unavailable_reason(tensor)
-        if reason is None:
-            return "triton"
-        if choice == "triton":
-            raise ValueError(f"--loco-kernels triton: {reason}")
-        return "torch"
-    if choice == "cpu" or (choice == "auto" and tensor.device.type == "cpu"):
-        from . import cpu
-
-        reason = cpu.unavailable_reason(tensor)
-        if reason is None:
-            return "cpu"
-        if choice == "cpu":
-            raise ValueError(f"--loco-kernels cpu: {reason}")
-        return "torch"
+    auto = "triton" if tensor.device.type == "cuda" else "cpu"
+    impl = auto if choice == "auto" else choice
+    reason = _module(impl).unavailable_reason(tensor)
+    if reason is None:
+        return impl
+    if choice != "auto":
+        raise ValueError(f"--loco-kernels {choice}: {reason}")
     return "torch"
 
 
