@@ -24,6 +24,9 @@ def _entry(rank, fn, world_size, tmpdir, args, backend):
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{tmpdir}/rendezvous",
                             rank=rank, world_size=world_size)
+    # Every rank finishes connecting before any can exit: a worker that returns at once (e.g.
+    # on an expected error) would otherwise close its end while a slower peer still connects.
+    dist.barrier()
     try:
         result = fn(rank, world_size, *args)
         with open(os.path.join(tmpdir, f"result{rank}.pkl"), "wb") as f:

@@ -32,8 +32,15 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-FUSED = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(
-    not HAVE_TRITON, reason="Triton not installed (the CPU-only torch build of the compat legs)"))]
+# The interpreted Triton tests run in a child pytest process that imports only this module
+# (test_triton_in_clean_process): in the full suite's process other imports (megatron-core and
+# what it pulls in) leave Triton's interpreter unable to call the kernels' @triton.jit helpers.
+CHILD = os.environ.get("LOCO_TRITON_CHILD") == "1"
+NO_TRITON = "Triton not installed (the CPU-only torch build of the compat legs)"
+FUSED = ["cpu", pytest.param("triton", marks=[
+    pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON),
+    pytest.mark.skipif(not CHILD and not torch.cuda.is_available(),
+                       reason="interpreted in a clean child process: test_triton_in_clean_process")])]
 # A bucket of 3 DP shards with parameter boundaries: blocks padded at every cut.
 LAYOUT = dict(numel=3 * 700, world=3, boundaries=(123, 1000, 1555))
 
@@ -166,7 +173,7 @@ def _reduce_worker(rank, world, impls):
 def test_reduce_scatter_same_result_as_reference():
     """3 gloo ranks, parameter cuts, AVG: every implementation reduces to the reference's
     shards (the C kernel always; Triton where installed, interpreted)."""
-    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON else [])
+    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and CHILD else [])
     for outs in run_ranks(_reduce_worker, 3, impls):
         for impl in impls[1:]:
             for a, b in zip(outs["torch"], outs[impl]):
@@ -215,3 +222,20 @@ def test_triton_kernels_compile_for_gpus_without_fma(arch):
         assert "fma." not in ptx  # no contraction: the same roundings as the reference
         assert "div.full" not in ptx and "div.approx" not in ptx
     assert "div.rn.f32" in comp and "atom" in comp
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)
+@pytest.mark.skipif(CHILD or torch.cuda.is_available(), reason="this is the child / a GPU runs them")
+def test_triton_in_clean_process():
+    """Every ``triton`` case above (and the 3-rank reduce-scatter with Triton) under
+    ``TRITON_INTERPRET=1`` in a fresh pytest process; fails with the child's output."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, LOCO_TRITON_CHILD="1", TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+         "-k", "(triton and not compile and not clean_process and not needs_interpreter) "
+         "or reduce_scatter_same", "-W", "ignore::RuntimeWarning"],
+        env=env, cwd=root, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, summary

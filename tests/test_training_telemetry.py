@@ -84,7 +84,8 @@ def _fake_loop_worker(rank, world):
     metrics = state.enable_metrics()
     wrapped = training_telemetry._wrap_training_log(training_log, fake, state)
     for it, (err, buf) in enumerate([([3.0, 4.0], 36.0), ([6.0, 8.0], 64.0)], start=1):
-        metrics.record(torch.tensor(err, dtype=torch.float64), torch.tensor(buf))
+        metrics.record(torch.tensor(sum(x * x for x in err), dtype=torch.float64),
+                       torch.tensor(buf), torch.tensor(False))
         state.wire.bytes_sent += 100
         state.wire.stock_bytes += 800
         assert wrapped({}, {}, 1e-3, None, it, 1.0, True, 0, 1.0, None, None) is True
