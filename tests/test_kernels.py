@@ -215,3 +215,33 @@ def test_triton_kernels_compile_for_gpus_without_fma(arch):
         assert "fma." not in ptx  # no contraction: the same roundings as the reference
         assert "div.full" not in ptx and "div.approx" not in ptx
     assert "div.rn.f32" in comp and "atom" in comp
+
+
+def test_reference_divides_by_tensors_not_python_numbers():
+    """On CUDA, torch computes ``tensor / python_number`` as a multiplication by the fp32
+    reciprocal (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), not IEEE division: about half
+    of all 4-bit scales ``amax / 7`` would then differ by one ulp from the C and Triton kernels,
+    and the torch reference on a GPU would not be the bit-exact reference it claims to be. Every
+    division of the reference (compress, int8 error storage, AVG decompress) must take a tensor
+    divisor; checked on CPU by recording the aten calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scalar_divs = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_) \
+                    and not isinstance(args[1], torch.Tensor):
+                scalar_divs.append((str(func), args[1]))
+            return func(*args, **(kwargs or {}))
+
+    layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
+    table = kernels.block_table(layout, "cpu")
+    err = ErrorBuffer(table.padded_numel, 64, "int8", torch.float32, "cpu")
+    g = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    with Record():
+        payload, scales, *_ = kernels.compress_bucket("torch", g, table, err, bits=4, beta=0.8,
+                                                      reset=False, want_err_sq=True)
+        kernels.decompress_shard("torch", payload, scales, table, 0, bits=4,
+                                 average=True, out=torch.empty(table.shard))
+    assert not scalar_divs, scalar_divs
