@@ -38,24 +38,33 @@ FUSED = ["cpu", pytest.param("triton", marks=pytest.mark.skipif(
 LAYOUT = dict(numel=3 * 700, world=3, boundaries=(123, 1000, 1555))
 
 
+def _device(impl):
+    """Where ``impl`` runs here: compiled Triton on the GPU (a machine with CUDA, no
+    ``TRITON_INTERPRET``), everything else on CPU. The reference always runs on CPU, where torch
+    divides like the kernels (IEEE), so GPU results are compared with it bit for bit."""
+    return "cuda" if impl == "triton" and not kernels.triton_interpret() else "cpu"
+
+
 def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None):
-    """Per step: payload, scales, nonfinite flag, err_sq and the decoded error buffer."""
+    """Per step: payload, scales, nonfinite flag, err_sq and the decoded error buffer (on CPU)."""
+    dev = _device(impl)
     layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], block, LAYOUT["boundaries"])
-    table = kernels.block_table(layout, "cpu")
-    err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, "cpu")
+    table = kernels.block_table(layout, dev)
+    err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, dev)
     gen = torch.Generator().manual_seed(7)
     out = []
     for step in range(steps):
         g = (torch.randn(layout.numel, generator=gen) * 10 ** (step - 2)).to(dtype)
         if bad is not None and step == 2:
             g[1234] = bad
+        g = g.to(dev)
         payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
             impl, g, table, err, bits=bits, beta=beta, reset=step == 1, want_err_sq=True)
         if buf_sq is not None:  # computed on the way: the stored buffer's norm (fp32 decode)
             ref = float(err.get().double().square().sum())
             assert abs(float(buf_sq) - ref) <= 1e-6 * max(ref, 1e-30), (float(buf_sq), ref)
-        out.append((payload.clone(), scales.clone(), bool(nonfinite), float(err_sq),
-                    err.get().clone()))
+        out.append((payload.cpu(), scales.cpu(), bool(nonfinite), float(err_sq),
+                    err.get().cpu()))
     return out
 
 
@@ -105,6 +114,7 @@ def test_nonfinite_block(impl, bad):
     (4, torch.float32, False), (8, torch.float32, True), (4, torch.bfloat16, True),
     (8, torch.bfloat16, False), (4, torch.float16, True)])
 def test_decompress_matches_reference(impl, bits, out_dtype, average):
+    dev = _device(impl)
     layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
     table = kernels.block_table(layout, "cpu")
     gen = torch.Generator().manual_seed(3)
@@ -113,11 +123,13 @@ def test_decompress_matches_reference(impl, bits, out_dtype, average):
     scales = torch.rand(table.nblocks, generator=gen) * 1e-2
     for rank in range(table.world):
         ref = torch.full((table.shard,), 7.0, dtype=out_dtype)
-        got = ref.clone()
+        got = ref.clone().to(dev)
         kernels.decompress_shard("torch", payload, scales, table, rank, bits=bits,
                                  average=average, out=ref)
-        kernels.decompress_shard(impl, payload, scales, table, rank, bits=bits,
+        kernels.decompress_shard(impl, payload.to(dev), scales.to(dev),
+                                 kernels.block_table(layout, dev), rank, bits=bits,
                                  average=average, out=got)
+        got = got.cpu()
         tol = dict(rtol=1e-6, atol=1e-9) if out_dtype == torch.float32 else dict(rtol=0, atol=0)
         torch.testing.assert_close(got, ref, **tol)
 
@@ -165,8 +177,9 @@ def _reduce_worker(rank, world, impls):
 
 def test_reduce_scatter_same_result_as_reference():
     """3 gloo ranks, parameter cuts, AVG: every implementation reduces to the reference's
-    shards (the C kernel always; Triton where installed, interpreted)."""
-    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON else [])
+    shards (the C kernel always; Triton where installed and interpreted: gloo ranks hold CPU
+    tensors, which compiled Triton cannot read)."""
+    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and kernels.triton_interpret() else [])
     for outs in run_ranks(_reduce_worker, 3, impls):
         for impl in impls[1:]:
             for a, b in zip(outs["torch"], outs[impl]):
