@@ -160,11 +160,11 @@ def _markdown(dims: Dict, results: Dict[str, Dict], big: List[Dict], tele: Dict)
         f"to `percpu_counter_batch` - 1 pages per online CPU ({_mib(slack)} MiB here), so a "
         f"peak minus a starting point is uncertain by up to twice that; the largest shortfall "
         f"is {_mib(short)} MiB") + ".",
-        f"* Telemetry (`enable_metrics()`, formula): Triton and the torch reference also build "
-        f"`ErrorBuffer.squared_norm()`'s fp32 copy of the int8 codes, which makes the Triton "
-        f"peak {tele['triton']['transient_peak'] / n:.2f} bytes per element "
-        f"(`{tele['triton']['peak_phase']}`); the C kernel sums the squared norms in its pass "
-        f"({tele['cpu']['transient_peak'] / n:.2f} bytes per element).",
+        f"* Telemetry (`enable_metrics()`, formula): the torch reference also builds "
+        f"`ErrorBuffer.squared_norm()`'s fp32 copy of the int8 codes; the fused kernels do not "
+        f"(C sums the squared norms in its pass, Triton into per-block partials): Triton peak "
+        f"{tele['triton']['transient_peak'] / n:.2f} bytes per element "
+        f"(`{tele['triton']['peak_phase']}`), C {tele['cpu']['transient_peak'] / n:.2f}.",
         f"* Whole run, LoCo - stock: torch {_mib(diff['loco4-torch'])} MiB, fused "
         f"{_mib(diff['loco4-auto'])} MiB (persistent + transient {_mib(torch0['formula_total'])} "
         f"and {_mib(fused0['formula_total'])} MiB). Stock's whole-run peak is "

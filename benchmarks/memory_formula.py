@@ -33,15 +33,15 @@ def _fused_phases(n: int, numel: int, shard: int, s: int, bits: int, block: int,
         kernel = [("fp32 copy of the fp16 bucket", 4 * numel if fp16 else 0),
                   ("C block workspace 3*block fp32", 3 * 4 * block)]
     else:
+        # telemetry: per-block ||h - deQ||^2 and ||e||^2 partials (the latter allocated for
+        # either storage, filled for int8), summed in fp64; no ErrorBuffer.squared_norm() copy
         kernel = [("non-finite flag int32", 4),
-                  ("err_sq partials fp32 [n/block] (telemetry)", 4 * s if telemetry else 0)]
+                  ("err_sq partials fp32 [n/block] (telemetry)", 4 * s if telemetry else 0),
+                  ("buf_sq partials fp32 [n/block] (telemetry)", 4 * s if telemetry else 0)]
     phases: List[Phase] = [("compress: fused kernel", sent + kernel)]
     if device == "cuda" and telemetry:
-        phases.append(("compress: err_sq partials .double().sum()",
-                       sent + [("err_sq partials fp32", 4 * s), ("fp64 copy", 8 * s)]))
-    if telemetry and error_dtype == "int8" and device == "cuda":  # C sums ||e||^2 in its pass
-        phases.append(("compress: telemetry squared_norm()",
-                       sent + [("codes.float()", 4 * n), ("per-block norms", 4 * s)]))
+        phases.append(("compress: partials .double().sum()",
+                       sent + [("err_sq + buf_sq partials fp32", 8 * s), ("fp64 copy", 8 * s)]))
     phases.append(("all-to-all", sent + recv))
     if device == "cpu":
         tmp = [("fp32 shard (output not fp32)", 4 * shard if grad_element_size != 4 else 0),
@@ -117,8 +117,8 @@ def loco_memory_formula(layout: BucketLayout, grad_element_size: int, bits: int,
             are read directly).
         beta: the error moving-average factor (0: the reference skips the average).
         telemetry: ``LoCoState.enable_metrics()`` is on: ``||h - deQ||^2`` and ``||e||^2``
-            (Triton and torch: ``ErrorBuffer.squared_norm()``, an fp32 copy of the int8 codes;
-            the C kernel sums both in its pass).
+            (torch: ``ErrorBuffer.squared_norm()``, an fp32 copy of the int8 codes; the C
+            kernel sums both in its pass, Triton into per-block partials).
         out_contiguous: the output shard is contiguous (megatron-core's is).
 
     Returns:

@@ -58,7 +58,10 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int) -> Tuple[tor
     xb = torch.zeros(npad, dtype=work_dtype, device=x.device)
     xb[:n] = x
     xb = xb.view(-1, block_size)
-    scales = xb.abs().amax(dim=1) / qmax(bits)
+    # IEEE division by a tensor, not by a Python number: CUDA computes tensor / CPU scalar as a
+    # multiplication by the fp32 reciprocal (about half of all 4-bit scales one ulp off the
+    # division the fused kernels do; loco_megatron/kernels promises them bit for bit)
+    scales = xb.abs().amax(dim=1) / torch.full((), qmax(bits), dtype=work_dtype, device=x.device)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(xb / safe.unsqueeze(1)).clamp_(-(qmax(bits) + 1), qmax(bits))
     return codes.to(torch.int8).view(-1), scales

@@ -37,32 +37,42 @@ except ImportError:
 # what it pulls in) leave Triton's interpreter unable to call the kernels' @triton.jit helpers.
 CHILD = os.environ.get("LOCO_TRITON_CHILD") == "1"
 NO_TRITON = "Triton not installed (the CPU-only torch build of the compat legs)"
-FUSED = ["cpu", pytest.param("triton", marks=[
+TRITON_MARKS = [
     pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON),
     pytest.mark.skipif(not CHILD and not torch.cuda.is_available(),
-                       reason="interpreted in a clean child process: test_triton_in_clean_process")])]
+                       reason="interpreted in a clean child process: test_triton_in_clean_process")]
+FUSED = ["cpu", pytest.param("triton", marks=TRITON_MARKS)]
 # A bucket of 3 DP shards with parameter boundaries: blocks padded at every cut.
 LAYOUT = dict(numel=3 * 700, world=3, boundaries=(123, 1000, 1555))
 
 
+def _device(impl):
+    """Where ``impl`` runs here: compiled Triton on the GPU (a machine with CUDA, no
+    ``TRITON_INTERPRET``), everything else on CPU. The reference always runs on CPU, where torch
+    divides like the kernels (IEEE), so GPU results are compared with it bit for bit."""
+    return "cuda" if impl == "triton" and not kernels.triton_interpret() else "cpu"
+
+
 def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None):
-    """Per step: payload, scales, nonfinite flag, err_sq and the decoded error buffer."""
+    """Per step: payload, scales, nonfinite flag, err_sq and the decoded error buffer (on CPU)."""
+    dev = _device(impl)
     layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], block, LAYOUT["boundaries"])
-    table = kernels.block_table(layout, "cpu")
-    err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, "cpu")
+    table = kernels.block_table(layout, dev)
+    err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, dev)
     gen = torch.Generator().manual_seed(7)
     out = []
     for step in range(steps):
         g = (torch.randn(layout.numel, generator=gen) * 10 ** (step - 2)).to(dtype)
         if bad is not None and step == 2:
             g[1234] = bad
+        g = g.to(dev)
         payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
             impl, g, table, err, bits=bits, beta=beta, reset=step == 1, want_err_sq=True)
         if buf_sq is not None:  # computed on the way: the stored buffer's norm (fp32 decode)
             ref = float(err.get().double().square().sum())
             assert abs(float(buf_sq) - ref) <= 1e-6 * max(ref, 1e-30), (float(buf_sq), ref)
-        out.append((payload.clone(), scales.clone(), bool(nonfinite), float(err_sq),
-                    err.get().clone()))
+        out.append((payload.cpu(), scales.cpu(), bool(nonfinite), float(err_sq),
+                    err.get().cpu()))
     return out
 
 
@@ -112,6 +122,7 @@ def test_nonfinite_block(impl, bad):
     (4, torch.float32, False), (8, torch.float32, True), (4, torch.bfloat16, True),
     (8, torch.bfloat16, False), (4, torch.float16, True)])
 def test_decompress_matches_reference(impl, bits, out_dtype, average):
+    dev = _device(impl)
     layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
     table = kernels.block_table(layout, "cpu")
     gen = torch.Generator().manual_seed(3)
@@ -120,11 +131,13 @@ def test_decompress_matches_reference(impl, bits, out_dtype, average):
     scales = torch.rand(table.nblocks, generator=gen) * 1e-2
     for rank in range(table.world):
         ref = torch.full((table.shard,), 7.0, dtype=out_dtype)
-        got = ref.clone()
+        got = ref.clone().to(dev)
         kernels.decompress_shard("torch", payload, scales, table, rank, bits=bits,
                                  average=average, out=ref)
-        kernels.decompress_shard(impl, payload, scales, table, rank, bits=bits,
+        kernels.decompress_shard(impl, payload.to(dev), scales.to(dev),
+                                 kernels.block_table(layout, dev), rank, bits=bits,
                                  average=average, out=got)
+        got = got.cpu()
         tol = dict(rtol=1e-6, atol=1e-9) if out_dtype == torch.float32 else dict(rtol=0, atol=0)
         torch.testing.assert_close(got, ref, **tol)
 
@@ -172,8 +185,10 @@ def _reduce_worker(rank, world, impls):
 
 def test_reduce_scatter_same_result_as_reference():
     """3 gloo ranks, parameter cuts, AVG: every implementation reduces to the reference's
-    shards (the C kernel always; Triton where installed, interpreted)."""
-    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and CHILD else [])
+    shards (the C kernel always; Triton where installed and interpreted, in the clean child
+    process: gloo ranks hold CPU tensors, which compiled Triton cannot read)."""
+    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and CHILD and kernels.triton_interpret()
+                                else [])
     for outs in run_ranks(_reduce_worker, 3, impls):
         for impl in impls[1:]:
             for a, b in zip(outs["torch"], outs[impl]):
@@ -239,3 +254,116 @@ def test_triton_in_clean_process():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary
+
+
+def test_reference_divides_by_tensors_not_python_numbers():
+    """On CUDA, torch computes ``tensor / python_number`` as a multiplication by the fp32
+    reciprocal (aten/src/ATen/native/cuda/BinaryDivTrueKernel.cu), not IEEE division: about half
+    of all 4-bit scales ``amax / 7`` would then differ by one ulp from the C and Triton kernels,
+    and the torch reference on a GPU would not be the bit-exact reference it claims to be. Every
+    division of the reference (compress, int8 error storage, AVG decompress) must take a tensor
+    divisor; checked on CPU by recording the aten calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    scalar_divs = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_) \
+                    and not isinstance(args[1], torch.Tensor):
+                scalar_divs.append((str(func), args[1]))
+            return func(*args, **(kwargs or {}))
+
+    layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
+    table = kernels.block_table(layout, "cpu")
+    err = ErrorBuffer(table.padded_numel, 64, "int8", torch.float32, "cpu")
+    g = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
+    with Record():
+        payload, scales, *_ = kernels.compress_bucket("torch", g, table, err, bits=4, beta=0.8,
+                                                      reset=False, want_err_sq=True)
+        kernels.decompress_shard("torch", payload, scales, table, 0, bits=4,
+                                 average=True, out=torch.empty(table.shard))
+    assert not scalar_divs, scalar_divs
+
+
+def _random_case(seed):
+    """A random bucket: block 2..256 (not only powers of two), DP 1-4, parameter cuts, buckets
+    smaller than one block, and gradients from one of several awkward value families; some
+    with a NaN/inf (often next to a block's padding)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=gen))]  # noqa: E731
+    block, world = pick([2, 4, 6, 10, 64, 96, 256]), pick([1, 2, 3, 4])
+    numel = world * int(torch.randint(1, 2 * block + 3, (1,), generator=gen))
+    cuts = sorted({int(c) for c in torch.randint(1, numel, (3,), generator=gen)} - {0}) \
+        if numel > 1 else []
+    layout = BucketLayout.build(numel, world, block, tuple(cuts))
+    kind = pick(["normal", "denormal", "tiny", "huge", "negzero", "zero", "ties", "fp16max"])
+    dtype = pick([torch.float32, torch.bfloat16, torch.float16])
+    if kind == "fp16max":
+        dtype = torch.float16
+    return dict(layout=layout, bits=pick([4, 8]), storage=pick(["int8", "fp32"]), dtype=dtype,
+                beta=pick([0.0, 0.5, 0.8, 0.999]), kind=kind, seed=seed,
+                bad=(int(torch.randint(numel, (1,), generator=gen)),
+                     pick([float("nan"), float("inf"), -float("inf")])) if seed % 4 == 3 else None)
+
+
+def _values(kind, n, gen):
+    x = torch.randn(n, generator=gen)
+    return {"normal": x * 10.0 ** float(torch.randint(-6, 6, (1,), generator=gen)),
+            "denormal": x * 1e-40, "huge": x * 1e37, "zero": torch.zeros(n),
+            "tiny": torch.randint(-3, 4, (n,), generator=gen).float() * 1.4e-45,
+            "negzero": torch.where(torch.arange(n) % 3 == 0, x * 1e-3, -torch.zeros(n)),
+            "ties": torch.randint(-16, 17, (n,), generator=gen).float() * 0.5,
+            "fp16max": (torch.rand(n, generator=gen) * 2 - 1) * 65504}[kind]
+
+
+def _run_case(impl, case, steps=4):
+    dev = _device(impl)
+    layout = case["layout"]
+    table = kernels.block_table(layout, dev)
+    err = ErrorBuffer(table.padded_numel, layout.block_size, case["storage"], torch.float32, dev)
+    gen = torch.Generator().manual_seed(case["seed"])
+    out = []
+    for step in range(steps):
+        g = _values(case["kind"], layout.numel, gen).to(case["dtype"])
+        if case["bad"] is not None and step == 1:
+            g[case["bad"][0]] = case["bad"][1]
+        p, s, nf, _, _ = kernels.compress_bucket(impl, g.to(dev), table, err, bits=case["bits"],
+                                                 beta=case["beta"], reset=step == 2,
+                                                 want_err_sq=True)
+        out.append((p.cpu(), s.cpu(), bool(nf), {k: v.cpu().clone() for k, v in
+                                                  err.tensors().items()}, err.get().cpu()))
+    return out
+
+
+def _same_bits(a, b):
+    return torch.equal(a.view(torch.int32), b.view(torch.int32)) if a.dtype == torch.float32 \
+        else torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("impl,seeds", [("cpu", range(150)), pytest.param(
+    "triton", range(24), marks=TRITON_MARKS)])
+def test_compress_randomized_differential(impl, seeds):
+    """Codes, scales (bit patterns: -0.0, denormals) and the stored error buffer equal the
+    reference's over random layouts and value families, reset steps and beta 0. Where a step is
+    non-finite only the flag, the scales and a zero decoded error are compared: the codes of a
+    NaN block are not defined (the reference converts NaN to int8), and Triton clears the error
+    by its scales only. Triton under the interpreter skips bf16 denormals: the interpreter's
+    bf16 -> fp32 conversion flushes them (a GPU's ``cvt.f32.bf16`` is exact)."""
+    for seed in seeds:
+        case = _random_case(seed)
+        if impl == "triton" and kernels.triton_interpret() and case["dtype"] == torch.bfloat16 \
+                and case["kind"] in ("denormal", "tiny"):
+            continue
+        for step, (r, g) in enumerate(zip(_run_case("torch", case), _run_case(impl, case))):
+            where = f"seed {seed} step {step}: {case}"
+            assert r[2] == g[2], where
+            nan = torch.isnan(r[1]) & torch.isnan(g[1])
+            assert _same_bits(r[1][~nan], g[1][~nan]), where
+            if r[2]:
+                assert not r[4].any() and not g[4].any(), where
+                continue
+            assert torch.equal(r[0], g[0]), where
+            for name in r[3]:
+                assert _same_bits(r[3][name], g[3][name]), (name, where)

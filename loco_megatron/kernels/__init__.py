@@ -101,8 +101,8 @@ def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits:
         ``(payload, scales, nonfinite, err_sq, buf_sq)``: uint8 ``[padded_numel * bits / 8]``,
         fp32 ``[nblocks]``, a 0-dim bool tensor (some block non-finite: error buffer cleared),
         0-dim fp64 ``||h - deQ(Q(h))||^2`` or None, and 0-dim fp64 ``||e||^2`` of the updated
-        error buffer when the implementation computed it on the way (C, int8 storage, with
-        ``want_err_sq``) else None. All on ``g``'s device; no host sync.
+        error buffer when the implementation computed it on the way (C and Triton, int8
+        storage, with ``want_err_sq``) else None. All on ``g``'s device; no host sync.
     """
     return _module(impl).compress_bucket(g, table, err, bits=bits, beta=beta, reset=reset,
                                          want_err_sq=want_err_sq)

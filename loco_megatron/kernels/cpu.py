@@ -4,8 +4,10 @@ The C file is built once per source version and CPU model with the system C comp
 default ``cc``) into ``$LOCO_KERNEL_CACHE`` (default ``~/.cache/loco_megatron/kernels``), written
 under a temporary name and renamed, so ranks building at the same time never load a half-written
 file.
-No torch headers are involved (the build takes well under a second). Without a compiler,
-``auto`` falls back to the torch reference (:mod:`.reference`) and says so once in the log.
+No torch headers are involved (the build takes well under a second). ``$CC`` may carry arguments
+(``CC="ccache gcc"``). Without a working compiler, or when the cached library does not load (a
+truncated file, a ``noexec`` cache directory), ``auto`` falls back to the torch reference
+(:mod:`.reference`) and says so once in the log; a failed build leaves no temporary file.
 
 ctypes releases the GIL during the call, so the compressed all-to-alls of other buckets keep
 running. fp32 and bf16 gradients are read directly; fp16 ones are converted to fp32 first (one
@@ -16,6 +18,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import shlex
 import subprocess
 import tempfile
 from functools import lru_cache
@@ -60,19 +63,33 @@ def _load():
     tag = hashlib.sha256(src + " ".join((cc,) + CFLAGS + (_cpu_flags(),)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"loco_cpu_kernels_{tag}.so"
     if not target.exists():
+        tmp = None
         try:
+            cc_argv = shlex.split(cc)  # CC="ccache gcc" or "gcc -std=c11", as make allows
+            if not cc_argv:
+                raise OSError("$CC is empty")
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
             os.close(fd)
-            proc = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
-                                  text=True, timeout=120)
+            proc = subprocess.run([*cc_argv, *CFLAGS, "-o", tmp, str(SOURCE)],
+                                  capture_output=True, text=True, timeout=120)
             if proc.returncode:
-                os.unlink(tmp)
                 return None, f"{cc} failed to build {SOURCE.name}: {proc.stderr.strip()[:500]}"
             os.replace(tmp, target)
-        except (OSError, subprocess.SubprocessError) as exc:
+            tmp = None
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
             return None, f"cannot build {SOURCE.name} with {cc!r} into {target.parent}: {exc}"
-    lib = ctypes.CDLL(str(target))
+        finally:
+            if tmp is not None:  # a failed build leaves no half-written file behind
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:  # a truncated or foreign file in the cache, a noexec cache dir
+        return None, (f"cannot load {target} ({exc}); delete it to rebuild, or set "
+                      f"LOCO_KERNEL_CACHE to another directory")
     lib.loco_compress.restype = ctypes.c_int
     lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                   ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,

@@ -35,6 +35,6 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
     work = torch.float64 if out.dtype == torch.float64 else torch.float32
     chunks = decode(payload, scales, bits, table.block_size, dtype=work)
     reduced = chunks.view(table.world, table.layout.padded_shard).sum(dim=0)
-    if average:
-        reduced /= table.world
+    if average:  # by a tensor: CUDA divides by a Python number through its reciprocal
+        reduced /= torch.full((), table.world, dtype=work, device=reduced.device)
     table.layout.from_padded_shard(reduced, rank, out)
