@@ -24,9 +24,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not numbers")
     p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                    metavar="NAME", help=f"sections to run, of {', '.join(SECTIONS)}")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"),
-                   help="report folder (default: benchmarks/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="report folder (default: benchmarks/results, with --quick "
+                        "benchmarks/results-quick, so a smoke test never replaces the committed run)")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = Path("benchmarks/results-quick" if args.quick else "benchmarks/results")
     sections = []
     for name in args.only:
         mod = importlib.import_module(f"benchmarks.{name}")

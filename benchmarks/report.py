@@ -91,6 +91,9 @@ def write(sections: List[Section], out_dir: Path, argv: List[str]) -> Path:
     lines = ["# loco-megatron benchmark report", "",
              f"Command: `{command.strip()}`  ", f"Date: {payload['date']}  ",
              "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), ""]
+    if "--quick" in argv:
+        lines += ["**Quick run (`--quick`): a smoke test at toy sizes. Its numbers, ratios and "
+                  "'met' lines are not evidence of anything.**", ""]
     for s in sections:
         lines += [f"## {s.title}", ""]
         if s.skipped:

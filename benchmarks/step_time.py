@@ -261,8 +261,9 @@ def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
         f"(DP, mode), the link re-shaped between them.", "",
         f"Link check (one TCP stream, namespace 0 → 1): {check}.", "",
         f"Host load (1-min load average at the first / after the last run): "
-        f"{_num(load[0])} / {_num(load[1])} on {os.cpu_count()} CPUs: other jobs compete for "
-        f"the cores, so single steps vary a lot (per-iteration times are in `data`).", "",
+        f"{_num(load[0])} / {_num(load[1])} on {os.cpu_count()} CPUs, the benchmark's own ranks "
+        f"included: the ranks (and anything else running) share the cores, so single steps "
+        f"vary (per-iteration times are in `data`).", "",
         "| rate | DP | stock ms/step | LoCo ms/step | speedup (stock/LoCo) | grad-sync share "
         "stock | grad-sync share LoCo (wire part) | grad bytes/step/rank stock vs LoCo "
         "| link bytes/step (ns0→ns1) stock vs LoCo | param all-gather share stock / LoCo |",

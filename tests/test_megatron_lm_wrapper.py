@@ -24,7 +24,8 @@ from .megatron_lm_checkouts import (CPU_FLAGS, ROOT, TINY_GPT, real_checkout,
 
 WRAPPER = ["-m", "loco_megatron.run_megatron_lm"]
 LOCO_LINE = ("> LoCo active: 4-bit compensated reduce-scatter, block 256, err-beta 0.8, reset "
-             "every 1024 steps, error storage int8; on CPU ranks (CUDA emulation, gloo)")
+             "every 1024 steps, error storage int8; kernels cpu (auto); on CPU ranks (CUDA "
+             "emulation, gloo)")
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*3 \|.*?lm loss: ([0-9.E+-]+)")
 
 _HEAD = """

@@ -26,7 +26,8 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     err.set(torch.where(nonfinite, torch.zeros((), dtype=work, device=h.device), new))
     err_sq = None
     if want_err_sq:
-        err_sq = torch.where(nonfinite, 0.0, torch.dot(err_now, err_now).double())
+        err64 = err_now.double()  # fp64 sum: the reference's telemetry is exact to fp32 terms
+        err_sq = torch.where(nonfinite, 0.0, torch.dot(err64, err64))
     return pack_codes(codes, bits), scales, nonfinite, err_sq, None
 
 

@@ -81,6 +81,20 @@ def log_chunk_layout(chunk: int, config: LoCoConfig,
             f"this model; use 256 (the default) or smaller.")
 
 
+def _kernels_note(cfg, emulated: bool) -> str:
+    """Which hot-path implementation ``--loco-kernels`` resolves to on this rank's device."""
+    import torch
+
+    from .. import kernels
+
+    probe = torch.empty(0, device="cpu" if emulated or not torch.cuda.is_available() else "cuda")
+    try:
+        impl = kernels.select(cfg.kernels, probe)
+    except ValueError as exc:
+        return f"kernels: {exc}"
+    return f"kernels {impl}" + (" (auto)" if cfg.kernels == "auto" else "")
+
+
 def log_loco_startup(state, args, emulated: bool) -> None:
     """The start-up line: whether LoCo is active, with its settings."""
     cfg = state.config
@@ -89,7 +103,7 @@ def log_loco_startup(state, args, emulated: bool) -> None:
         _print_rank_0(
             f"> LoCo active: {cfg.bits}-bit compensated reduce-scatter, block {cfg.block_size}, "
             f"err-beta {cfg.beta}, reset every {cfg.reset_interval} steps, error storage "
-            f"{cfg.error_dtype}; on {where}"
+            f"{cfg.error_dtype}; {_kernels_note(cfg, emulated)}; on {where}"
             + (f"; full precision for the first {cfg.start_iter} steps (--loco-start-iter)"
                if cfg.start_iter else ""))
     else:
