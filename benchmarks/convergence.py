@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .launch import CPU_ARGS, corpus_args
 from .report import Section
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,12 +77,6 @@ VARIANTS = (
     Variant("loco", "4-bit LoCo (`--loco-err-beta 0.8`, default)",
             ("--loco-bits", "4", "--loco-err-beta", "0.8")),
 )
-
-#: run_pretrain.sh's flags for CPU ranks (no GPU): gloo through the CUDA emulation
-CPU_ARGS = ("--distributed-backend", "gloo", "--transformer-impl", "local",
-            "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
-            "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
-            "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm")
 
 #: run_pretrain.sh's model/optimizer defaults this benchmark keeps unchanged
 DEFAULT_ARGS = ("--split", "98,1,1", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
@@ -200,15 +195,6 @@ def parse_iteration_ms(log: str) -> Optional[float]:
 
 
 # ---------------------------------------------------------------- running
-
-
-def data_args() -> List[str]:
-    """``--data-path`` and tokenizer flags of the real default corpus (built once, cached)."""
-    from loco_megatron.data.prepare import prepare_data
-
-    prep = prepare_data()
-    return ["--data-path", str(prep.data_prefix), "--tokenizer-type", "HuggingFaceTokenizer",
-            "--tokenizer-model", str(prep.tokenizer_dir)]
 
 
 def free_port() -> int:
@@ -460,7 +446,7 @@ def run(quick: bool, workdir: Path, cfg: Optional[Config] = None,
     workdir = Path(workdir)
     runs_dir = workdir / "convergence-runs"
     shutil.rmtree(runs_dir, ignore_errors=True)
-    data = [] if any(a in ("--mock-data", "--data-path") for a in extra) else data_args()
+    data = [] if any(a in ("--mock-data", "--data-path") for a in extra) else corpus_args()
     results: Dict[str, RunResult] = {}
     for v in VARIANTS:
         print(f"benchmarks: convergence: {v.key} ({cfg.iters} iterations) ...", file=sys.stderr,

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from . import netns
+from .launch import CPU_ARGS, corpus_args
 from .report import Section
 from .step_log import LogParser, summarize
 
@@ -40,10 +41,6 @@ CONFIG = {
                   model=dict(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=8,
                              micro_batch_size=1, bf16=False)),
 }
-CPU_ARGS = ["--distributed-backend", "gloo", "--transformer-impl", "local",
-            "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
-            "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
-            "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm"]
 
 
 def schedule(cfg: Dict) -> Tuple[int, List[Tuple[str, List[int]]]]:
@@ -65,11 +62,12 @@ def schedule(cfg: Dict) -> Tuple[int, List[Tuple[str, List[int]]]]:
 
 
 def megatron_args(cfg: Dict, dp: int, bits: int, train_iters: int,
-                  data: Dict[str, str]) -> List[str]:
-    """Megatron-LM flags of one run (model, data, logging; no checkpoints, no evaluation)."""
+                  data: List[str]) -> List[str]:
+    """Megatron-LM flags of one run (model, ``data`` flags, logging; no checkpoints, no
+    evaluation)."""
     m = cfg["model"]
-    return CPU_ARGS + [
-        "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
+    return [
+        *CPU_ARGS, "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
         "--num-attention-heads", str(m["num_attention_heads"]),
         "--seq-length", str(m["seq_length"]), "--max-position-embeddings", str(m["seq_length"]),
         "--micro-batch-size", str(m["micro_batch_size"]),
@@ -77,17 +75,8 @@ def megatron_args(cfg: Dict, dp: int, bits: int, train_iters: int,
         "--train-iters", str(train_iters), "--split", "98,1,1", "--lr", "1e-4", "--seed", "1234",
         "--use-distributed-optimizer", "--log-interval", "1", "--timing-log-level", "2",
         "--eval-interval", "1000000", "--eval-iters", "0",
-        "--data-path", data["DATA_PREFIX"], "--tokenizer-type", "HuggingFaceTokenizer",
-        "--tokenizer-model", data["TOKENIZER_DIR"], "--loco-bits", str(bits)] + (
+        *data, "--loco-bits", str(bits)] + (
         ["--bf16"] if m.get("bf16") else [])
-
-
-def default_corpus() -> Dict[str, str]:
-    """``{DATA_PREFIX, TOKENIZER_DIR}`` of the default corpus (``loco_megatron.data.prepare``)."""
-    out = subprocess.run([sys.executable, "-m", "loco_megatron.data.prepare"], cwd=REPO,
-                         capture_output=True, text=True, check=True, timeout=1800,
-                         env=dict(os.environ, PYTHONPATH=str(REPO))).stdout
-    return dict(kv.split("=", 1) for kv in out.strip().splitlines()[-1].split())
 
 
 def _veth_tx(pid: int, dev: str) -> Optional[int]:
@@ -102,7 +91,7 @@ def _veth_tx(pid: int, dev: str) -> Optional[int]:
     return None
 
 
-def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Dict[str, str],
+def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: List[str],
               port: int, log_dir: Path, timeout_s: float) -> Dict:
     """One Megatron run over ``link``, re-shaping it per :func:`schedule`; returns its figures.
 
@@ -205,7 +194,7 @@ def run(quick: bool, workdir: Path) -> Section:
     cfg = CONFIG["quick" if quick else "full"]
     log_dir = Path(workdir) / "step_time_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    data = default_corpus()
+    data = corpus_args()
     try:
         link = netns.TwoNodeLink(cfg["rates"][0])
         link.open()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import convergence as conv
+from benchmarks import launch
 from tests.markers import requires_megatron_training
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +213,7 @@ def test_launch_keeps_run_pretrain_defaults():
                        (ROOT / "run_pretrain.sh").read_text().splitlines())
     has = lambda words: re.search(  # noqa: E731
         r"(^|[\s(])" + r"\s+".join(map(re.escape, words)) + r"($|[\s)])", script, re.M)
-    for flag in conv.CPU_ARGS:
+    for flag in launch.CPU_ARGS:
         if flag.startswith("--"):
             assert has([flag]), flag
     assert has(["--distributed-backend", "gloo"]) and has(["--transformer-impl", "local"])

@@ -192,7 +192,7 @@ def test_section_without_training_runs(monkeypatch, tmp_path):
     """run() end to end with no time budget left for training: rate check, table, cleanup."""
     monkeypatch.setitem(step_time.CONFIG, "quick",
                         dict(step_time.CONFIG["quick"], section_budget_s=0))
-    monkeypatch.setattr(step_time, "default_corpus", lambda: {})
+    monkeypatch.setattr(step_time, "corpus_args", lambda: [])
     sec = step_time.run(quick=True, workdir=tmp_path)
     assert not sec.skipped
     assert set(sec.data["rate_check_bytes_per_s"]) == {"1gbit", "10gbit"}
