@@ -129,7 +129,7 @@ class Compensator:
         self.config = config
         self.errors: Dict[Hashable, ErrorBuffer] = {}
         self.stats = CompensatorStats()
-        self._nonfinite: List[torch.Tensor] = []  # 0-dim flags on the device (no host sync)
+        self._nonfinite: Optional[torch.Tensor] = None  # 0-dim int64 count on the device
         #: a :class:`~loco_megatron.metrics.StepMetrics` fed by :meth:`compress`, or None (no cost)
         self.metrics = None
 
@@ -190,10 +190,8 @@ class Compensator:
         payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
             impl, g.reshape(-1), table, buf, bits=cfg.bits, beta=cfg.beta, reset=reset,
             want_err_sq=self.metrics is not None)
-        self._nonfinite.append(nonfinite)
-        if len(self._nonfinite) > 64:
-            self._nonfinite = [torch.stack([t.to(nonfinite.device) for t in self._nonfinite])
-                               .sum(dtype=torch.int64)]
+        count = nonfinite.to(torch.int64)  # added on the device: no host sync
+        self._nonfinite = count if self._nonfinite is None else self._nonfinite + count
         if self.metrics is not None:
             self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,
                                 nonfinite)
@@ -204,7 +202,7 @@ class Compensator:
     def nonfinite_updates(self) -> int:
         """Compress calls whose compensated gradient was non-finite (error buffer cleared) since
         construction. Reads device flags: a host sync, for tests and reports only."""
-        return int(sum(int(t) for t in self._nonfinite))
+        return 0 if self._nonfinite is None else int(self._nonfinite)
 
     def error_bytes(self) -> int:
         """Total bytes of all error buffers on this rank."""

@@ -38,8 +38,8 @@ _P = ctypes.c_void_p
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("LOCO_KERNEL_CACHE") or Path.home() / ".cache" / "loco_megatron" / "kernels"
-    return Path(root)
+    root = os.environ.get("LOCO_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "loco_megatron" / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -91,8 +91,8 @@ def _load():
         return None, (f"cannot load {target} ({exc}); delete it to rebuild, or set "
                       f"LOCO_KERNEL_CACHE to another directory")
     lib.loco_compress.restype = ctypes.c_int
-    lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                                  ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
+    lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
                                   ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
     lib.loco_decompress.restype = ctypes.c_int
     lib.loco_decompress.argtypes = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
@@ -133,8 +133,8 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     int8 = err.storage == "int8"
     if not int8 and err.values.dtype != torch.float32:
         raise ValueError(f"the C kernels keep fp32 error values, got {err.values.dtype}")
-    rc = lib.loco_compress(_ptr(g), int(g.dtype == torch.bfloat16), _ptr(table.src), _ptr(table.length), table.nblocks,
-                           table.block_size, bits, int(int8),
+    rc = lib.loco_compress(_ptr(g), int(g.dtype == torch.bfloat16), _ptr(table.src),
+                           _ptr(table.length), table.nblocks, table.block_size, bits, int(int8),
                            _ptr(err.codes if int8 else None), _ptr(err.scales if int8 else None),
                            _ptr(None if int8 else err.values), _ptr(payload), _ptr(scales),
                            float(beta), 1.0 - float(beta), int(beta != 0), int(reset),
