@@ -26,11 +26,13 @@ def setup(tp: int, backend: str):
 
 class ShardChecker:
     """Records what the compensator sends (compensated input h, in the padded layout) so the
-    reduced shards can be compared with the exact reduction of the h of all DP ranks.
-    Assumes ``ReduceOp.SUM`` (megatron's default; ``average_in_collective`` would divide by DP)."""
+    reduced shards can be compared with the exact reduction of the h of all DP ranks:
+    the sum, or the mean with ``average_in_collective`` (``ReduceOp.AVG``), plus the rounding to
+    the gradient buffer's dtype."""
 
     def __init__(self, state):
         self.state, self.sent = state, {}
+        self.last = {}  # bucket key -> (reduced shard, exact, bound) of the latest check, fp64
         compress = state.compensator.compress
 
         def recording_compress(key, g_in, layout=None):
@@ -57,6 +59,8 @@ class ShardChecker:
                 exact, bound = h.clone(), half_step.clone()
                 dist.all_reduce(exact, group=dp_group)
                 dist.all_reduce(bound, group=dp_group)
+                if model.ddp_config.average_in_collective:  # ReduceOp.AVG
+                    exact, bound = exact / world, bound / world
                 layout = self.state.layouts[bucket.loco_key]
                 shard = bucket.grad_data.numel() // world
                 exp, bnd = (torch.empty(shard, dtype=torch.float64) for _ in range(2))
@@ -64,13 +68,22 @@ class ShardChecker:
                 layout.from_padded_shard(exact[rank * ps:(rank + 1) * ps], rank, exp)
                 layout.from_padded_shard(bound[rank * ps:(rank + 1) * ps], rank, bnd)
                 got = bucket.grad_data[rank * shard:(rank + 1) * shard].double().cpu()
-                ratio = (got - exp.cpu()).abs() / (bnd.cpu() * (1 + 1e-5) + 1e-7)
+                eps = torch.finfo(bucket.grad_data.dtype).eps  # + rounding to the buffer dtype
+                bnd = bnd.cpu() * (1 + eps) + exp.cpu().abs() * eps
+                ratio = (got - exp.cpu()).abs() / (bnd * (1 + 1e-5) + 1e-7)
                 worst = max(worst, float(ratio.max()))
+                self.last[bucket.loco_key] = (got, exp.cpu(), bnd)
         return worst
 
 
-def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, **ddp_kwargs):
-    """A seeded 2-layer GPTModel wrapped in megatron-core DDP, and its distributed Adam."""
+def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, *,
+              params_dtype: torch.dtype = torch.float32, grad_reduce_in_fp32: bool = True,
+              module_fn=None, disable_bucketing: bool = False, **ddp_kwargs):
+    """A seeded 2-layer GPTModel wrapped in megatron-core DDP, and its distributed Adam.
+
+    ``params_dtype=torch.bfloat16`` builds it as megatron.training does for ``--bf16``
+    (bf16 parameters, ``Float16Module``); ``module_fn(gpt)`` may wrap the GPT before DDP;
+    ``disable_bucketing`` is DDP's (megatron.training sets it for virtual-pipeline chunks > 0)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -81,18 +94,29 @@ def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, **d
 
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
+    bf16 = params_dtype == torch.bfloat16
     cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
-                            use_cpu_initialization=True, pipeline_dtype=torch.float32,
+                            use_cpu_initialization=True, pipeline_dtype=params_dtype,
                             hidden_dropout=dropout, attention_dropout=dropout,
-                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size())
+                            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+                            **(dict(bf16=True, params_dtype=params_dtype) if bf16 else {}))
     gpt = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(),
                    vocab_size=VOCAB, max_sequence_length=SEQ)
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        gpt = Float16Module(cfg, gpt)
+    if module_fn is not None:
+        gpt = module_fn(gpt)
     ddp_cfg = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=overlap, grad_reduce_in_fp32=True,
-        bucket_size=bucket_size, **ddp_kwargs)
-    model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt)
+        use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+        grad_reduce_in_fp32=grad_reduce_in_fp32, bucket_size=bucket_size, **ddp_kwargs)
+    model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt,
+                                    disable_bucketing=disable_bucketing)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True), [model])
+        OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True,
+                        **(dict(bf16=True, params_dtype=params_dtype) if bf16 else {})),
+        [model])
     return model, opt
 
 
