@@ -208,6 +208,35 @@ class Compensator:
         """Total bytes of all error buffers on this rank."""
         return sum(b.nbytes() for b in self.errors.values())
 
+    # ---- fp16 loss scaling (loco_megatron/megatron/loss_scale.py) ----
+
+    def rescale_errors(self, factor: torch.Tensor) -> None:
+        """Multiply every error buffer by ``factor``, in place, on the device (no host sync).
+
+        Error buffers hold errors of ``grad_data``, i.e. in units of ``loss_scale * gradient``;
+        when fp16's dynamic loss scaler changes the scale, the buffers must follow
+        (``factor = new_scale / old_scale``). int8 storage multiplies the per-block fp32 scales
+        (the codes stay), fp32/fp64 storage the values. Exact for power-of-two factors
+        (megatron-core's growth factor 2 and backoff factor 0.5) as long as no scale leaves the
+        fp32 range; any other factor is rounded to the storage dtype, then the product is
+        rounded once more.
+
+        Args:
+            factor: a one-element float tensor (e.g. ``[1]`` fp32/fp64, any device); moved to
+                each buffer's device and dtype.
+        """
+        for buf in self.errors.values():
+            for name in ("scales",) if buf.storage == "int8" else ("values",):
+                t = getattr(buf, name)
+                t.mul_(factor.reshape(()).to(device=t.device, dtype=t.dtype))
+
+    def clear_errors(self) -> None:
+        """Set every error buffer to zero in place (allocations and step counters kept; no host
+        sync). Used when megatron skips an optimizer step (fp16 overflow): the errors of
+        gradients that were thrown away must not be fed back."""
+        for buf in self.errors.values():
+            buf.zero_()
+
     # ---- checkpointing (torchtitan-style ``Stateful``: state_dict / load_state_dict) ----
 
     def fingerprint(self) -> Dict[str, object]:

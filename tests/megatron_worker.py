@@ -46,7 +46,8 @@ class ShardChecker:
         state.compensator.compress = recording_compress
 
     def check(self, model, dp_group) -> float:
-        """Max of |reduced - exact| / bound over every bucket (must be <= 1)."""
+        """Max of |reduced - exact| / bound over every bucket (must be <= 1); the bound includes
+        one rounding to the gradient buffer's dtype (bf16/fp16 buffers)."""
         from loco_megatron.quantization import quantize_blockwise
 
         cfg, worst = self.state.config, 0.0

@@ -27,7 +27,7 @@ from ..compensator import Compensator
 from ..config import LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
 from ..metrics import StepMetrics
-from . import ckpt_hooks, compat
+from . import ckpt_hooks, compat, loss_scale
 from .telemetry import log_chunk_layout
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class LoCoState:
             :meth:`enable_metrics` was called, else None (no cost).
         timers: a zero-argument callable returning a ``megatron.core.timers.Timers`` (or None)
             for the ``loco-*`` timers; None: no timers.
+        loss_scale: what fp16 loss scaling did to the error buffers
+            (:class:`~loco_megatron.megatron.loss_scale.LossScaleTracker`).
     """
 
     def __init__(self, config: LoCoConfig):
@@ -59,6 +61,7 @@ class LoCoState:
         self.layouts = {}
         self.metrics: Optional[StepMetrics] = None
         self.timers = None
+        self.loss_scale = loss_scale.LossScaleTracker()
         self._originals = {}
 
     def enable_metrics(self) -> StepMetrics:
@@ -207,7 +210,9 @@ def install(config: LoCoConfig) -> LoCoState:
 
     Call before the model is wrapped in ``DistributedDataParallel``. Also routes the
     distributed optimizer's checkpoint calls through :mod:`loco_megatron.megatron.ckpt_hooks`,
-    so error buffers are saved and restored with the optimizer state. With ``config.bits``
+    so error buffers are saved and restored with the optimizer state, and megatron-core's fp16
+    grad scalers' ``update`` through :mod:`loco_megatron.megatron.loss_scale` (an overflow step
+    clears the error buffers, a loss-scale change rescales them). With ``config.bits``
     None, 16 or 32 the reduce path is not patched and megatron-core trains bit-for-bit as
     stock; only the checkpoint-load hooks run, to warn when a checkpoint's LoCo state is
     ignored.
@@ -226,6 +231,7 @@ def install(config: LoCoConfig) -> LoCoState:
     if state.active:
         targets += [(compat.ddp_class(), "__init__", _wrap_ddp_init),
                     (compat.bucket_group_class(), "start_grad_sync", _wrap_start_grad_sync)]
+        targets += loss_scale.patches()  # fp16: overflow clears, scale changes rescale errors
     for owner, name, wrap in targets:
         original = getattr(owner, name)
         state._originals[(owner, name)] = original
