@@ -43,8 +43,11 @@ class ShardChecker:
 
         state.compensator.compress = recording_compress
 
-    def check(self, model, dp_group) -> float:
-        """Max of |reduced - exact| / bound over every bucket (must be <= 1)."""
+    def check(self, model, dp_group, summed_over=None) -> float:
+        """Max of |reduced - exact| / bound over every bucket of ``model`` (one DDP chunk;
+        must be <= 1). ``summed_over(bucket)``: a process group whose ranks' reduced shards of
+        this bucket megatron sums after the reduce-scatter (finalize_model_grads' embedding
+        all-reduce between first and last pipeline stage), or None."""
         from loco_megatron.quantization import quantize_blockwise
 
         cfg, worst = self.state.config, 0.0
@@ -55,8 +58,10 @@ class ShardChecker:
                 _, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
                 half_step = (scales / 2).repeat_interleave(cfg.block_size)
                 exact, bound = h.clone(), half_step.clone()
-                dist.all_reduce(exact, group=dp_group)
-                dist.all_reduce(bound, group=dp_group)
+                for pg in (dp_group, summed_over(bucket) if summed_over else None):
+                    if pg is not None:
+                        dist.all_reduce(exact, group=pg)
+                        dist.all_reduce(bound, group=pg)
                 layout = self.state.layouts[bucket.loco_key]
                 shard = bucket.grad_data.numel() // world
                 exp, bnd = (torch.empty(shard, dtype=torch.float64) for _ in range(2))
