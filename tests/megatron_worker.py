@@ -45,9 +45,12 @@ class ShardChecker:
 
         state.compensator.compress = recording_compress
 
-    def check(self, model, dp_group) -> float:
-        """Max of |reduced - exact| / bound over every bucket (must be <= 1); the bound includes
-        one rounding to the gradient buffer's dtype (bf16/fp16 buffers)."""
+    def check(self, model, dp_group, summed_over=None) -> float:
+        """Max of |reduced - exact| / bound over every bucket of ``model`` (one DDP chunk;
+        must be <= 1); the bound includes one rounding to the gradient buffer's dtype (bf16/fp16
+        buffers). ``summed_over(bucket)``: a process group whose ranks' reduced shards of
+        this bucket megatron sums after the reduce-scatter (finalize_model_grads' embedding
+        all-reduce between first and last pipeline stage), or None."""
         from loco_megatron.quantization import quantize_blockwise
 
         cfg, worst = self.state.config, 0.0
@@ -62,6 +65,9 @@ class ShardChecker:
                 dist.all_reduce(bound, group=dp_group)
                 if model.ddp_config.average_in_collective:  # ReduceOp.AVG
                     exact, bound = exact / world, bound / world
+                if summed_over is not None and summed_over(bucket) is not None:
+                    dist.all_reduce(exact, group=summed_over(bucket))
+                    dist.all_reduce(bound, group=summed_over(bucket))
                 layout = self.state.layouts[bucket.loco_key]
                 shard = bucket.grad_data.numel() // world
                 exp, bnd = (torch.empty(shard, dtype=torch.float64) for _ in range(2))
