@@ -182,3 +182,35 @@ def test_config_flags_and_yaml(tmp_path):
     # Megatron-LM --yaml-cfg: the loco section of the replaced namespace
     ns = argparse.Namespace(yaml_cfg="y.yaml", loco={"bits": 4, "hierarchical": True})
     assert config_from_args(ns, argv=[]).hierarchical
+
+
+def test_megatron_gpt_two_nodes():
+    """TP1 x DP4 as 2 nodes x 2 ranks: bits 16 (with --loco-hierarchical) is stock bit for bit;
+    hierarchical 4-bit trains, reduces every shard within the inter stage's bound, sums the
+    intra stage at full precision, keeps an inter-stage buffer per bucket and sends exactly
+    the expected bytes on each kind of link."""
+    from loco_megatron.megatron.telemetry import hierarchical_bytes_per_step
+
+    from .worker_hierarchical import gpt_worker
+
+    steps, check = 6, (0, 4)
+    results = run_ranks(gpt_worker, WORLD, steps, check, local_world_size=LOCAL)
+    cfg = LoCoConfig(bits=4, block_size=64, hierarchical=True)
+    for res in results:
+        stock, bits16, loco4 = res["stock"], res["bits16"], res["loco4"]
+        assert bits16["losses"] == stock["losses"]
+        assert all(torch.equal(bits16["params"][n], p) for n, p in stock["params"].items())
+        losses = loco4["losses"]
+        assert losses[-1] < losses[0] - 0.05, losses
+        assert loco4["worst"]["shard"] <= 1.0, loco4["worst"]
+        assert loco4["worst"]["partial"] <= 1e-6, loco4["worst"]
+        assert loco4["error_keys"] == sorted(str((eval(k), "inter")) for k in loco4["keys"])
+        assert loco4["steps"] == [steps]
+        intra, inter = hierarchical_bytes_per_step(
+            cfg, 2, 2, [(lay, 4) for lay in loco4["layouts"]])  # fp32 grad buffers
+        wire = loco4["wire"]
+        assert wire["intra_node_bytes"] == steps * intra
+        assert wire["inter_node_bytes"] == steps * inter
+        assert wire["intra_node_bytes"] == steps * sum(2 * lay.padded_shard * 4
+                                                        for lay in loco4["layouts"])
+        assert wire["calls"] == steps * len(loco4["layouts"])

@@ -139,6 +139,10 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
     if not config.enabled:
         return
     _check_fsdp(args, config)
+    if config.hierarchical:  # LOCAL_WORLD_SIZE from the launcher, at start-up
+        from ..hierarchical import local_world_size
+
+        local_world_size()
     from .plugin import check_ddp_config
 
     check_ddp_config(argparse.Namespace(
