@@ -214,3 +214,31 @@ def test_megatron_gpt_two_nodes():
         assert wire["intra_node_bytes"] == steps * sum(2 * lay.padded_shard * 4
                                                         for lay in loco4["layouts"])
         assert wire["calls"] == steps * len(loco4["layouts"])
+
+
+def test_checkpoint_resume_bit_identical_and_topology_change(tmp_path):
+    """2 nodes x 2 ranks, intra 8 bits (both stage buffers): save after N steps, resume in new
+    processes (torch and torch_dist) bit-identical to the straight run; loading into flat LoCo
+    (a topology change) resets the errors with one warning."""
+    from tests.ckpt_worker import ckpt_worker
+    from tests.test_checkpoint import FORMATS, N, _assert_resumed_exactly, _load, _save_jobs
+
+    hier = dict(bits=4, block_size=64, reset_interval=3, hierarchical=True, intra_node_bits=8)
+    d = str(tmp_path)
+    saves = run_ranks(ckpt_worker, WORLD, 1, _save_jobs(d, hier), local_world_size=LOCAL)
+    loads = run_ranks(ckpt_worker, WORLD, 1, [_load(d, f, hier) for f in FORMATS] + [
+        _load(d, "torch", dict(bits=4, block_size=64, reset_interval=3), steps=1)],
+        local_world_size=LOCAL)
+    for rank in range(WORLD):
+        straight, first = saves[rank]
+        stages = {str(k[1]) for k in straight["errors"]}
+        assert stages == {"intra", "inter"}, straight["errors"].keys()
+        for i in range(len(FORMATS)):
+            _assert_resumed_exactly(straight, first, loads[rank][i])
+        flat = loads[rank][-1]
+        assert all(not e["decoded"].any() for e in flat["errors_after_load"].values())
+        logs = flat["logs"]
+        assert len(logs) == (1 if rank == 0 else 0), logs
+        assert all("topology changed 2 nodes x 2 ranks, intra-node 8 bits -> flat" in m
+                   for m in logs)
+    assert N == 3
