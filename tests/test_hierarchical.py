@@ -11,11 +11,15 @@ from loco_megatron import LoCoConfig, LoCoConfigError
 from loco_megatron.hierarchical import NodeTopology, local_world_size
 from loco_megatron.quantization import dequantize_blockwise, quantize_blockwise
 
+from .ckpt_worker import ckpt_worker
 from .multiproc import run_ranks
-from .worker_hierarchical import BLOCK, collective_worker, grad, layout
+from .test_checkpoint import FORMATS, _assert_resumed_exactly, _load, _save_jobs
+from .worker_hierarchical import BLOCK, grad, layout, two_nodes_worker
 
 WORLD, LOCAL = 4, 2
 NODES = [[0, 1], [2, 3]]
+GPT_STEPS, GPT_CHECKS = 6, (0, 4)
+HIER_CKPT = dict(bits=4, block_size=64, reset_interval=3, hierarchical=True, intra_node_bits=8)
 
 
 def _block_absmax(x: torch.Tensor) -> torch.Tensor:
@@ -24,8 +28,17 @@ def _block_absmax(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def collective():
-    return run_ranks(collective_worker, WORLD, local_world_size=LOCAL)
+def two_nodes(tmp_path_factory):
+    """One 4-rank spawn (2 nodes x 2): collective cases, GPT modes, checkpoint saves."""
+    d = str(tmp_path_factory.mktemp("hier_ckpt"))
+    results = run_ranks(two_nodes_worker, WORLD, GPT_STEPS, GPT_CHECKS, _save_jobs(d, HIER_CKPT),
+                        local_world_size=LOCAL)
+    return {"dir": d, "ranks": results}
+
+
+@pytest.fixture(scope="module")
+def collective(two_nodes):
+    return [r["collective"] for r in two_nodes["ranks"]]
 
 
 @pytest.mark.parametrize("intra", [16, 8])
@@ -184,17 +197,14 @@ def test_config_flags_and_yaml(tmp_path):
     assert config_from_args(ns, argv=[]).hierarchical
 
 
-def test_megatron_gpt_two_nodes():
+def test_megatron_gpt_two_nodes(two_nodes):
     """TP1 x DP4 as 2 nodes x 2 ranks: bits 16 (with --loco-hierarchical) is stock bit for bit;
     hierarchical 4-bit trains, reduces every shard within the inter stage's bound, sums the
     intra stage at full precision, keeps an inter-stage buffer per bucket and sends exactly
     the expected bytes on each kind of link."""
     from loco_megatron.megatron.telemetry import hierarchical_bytes_per_step
 
-    from .worker_hierarchical import gpt_worker
-
-    steps, check = 6, (0, 4)
-    results = run_ranks(gpt_worker, WORLD, steps, check, local_world_size=LOCAL)
+    steps, results = GPT_STEPS, [r["gpt"] for r in two_nodes["ranks"]]
     cfg = LoCoConfig(bits=4, block_size=64, hierarchical=True)
     for res in results:
         stock, bits16, loco4 = res["stock"], res["bits16"], res["loco4"]
@@ -216,21 +226,16 @@ def test_megatron_gpt_two_nodes():
         assert wire["calls"] == steps * len(loco4["layouts"])
 
 
-def test_checkpoint_resume_bit_identical_and_topology_change(tmp_path):
+def test_checkpoint_resume_bit_identical_and_topology_change(two_nodes):
     """2 nodes x 2 ranks, intra 8 bits (both stage buffers): save after N steps, resume in new
     processes (torch and torch_dist) bit-identical to the straight run; loading into flat LoCo
     (a topology change) resets the errors with one warning."""
-    from tests.ckpt_worker import ckpt_worker
-    from tests.test_checkpoint import FORMATS, N, _assert_resumed_exactly, _load, _save_jobs
-
-    hier = dict(bits=4, block_size=64, reset_interval=3, hierarchical=True, intra_node_bits=8)
-    d = str(tmp_path)
-    saves = run_ranks(ckpt_worker, WORLD, 1, _save_jobs(d, hier), local_world_size=LOCAL)
-    loads = run_ranks(ckpt_worker, WORLD, 1, [_load(d, f, hier) for f in FORMATS] + [
+    d = two_nodes["dir"]
+    loads = run_ranks(ckpt_worker, WORLD, 1, [_load(d, f, HIER_CKPT) for f in FORMATS] + [
         _load(d, "torch", dict(bits=4, block_size=64, reset_interval=3), steps=1)],
         local_world_size=LOCAL)
     for rank in range(WORLD):
-        straight, first = saves[rank]
+        straight, first = two_nodes["ranks"][rank]["ckpt"]
         stages = {str(k[1]) for k in straight["errors"]}
         assert stages == {"intra", "inter"}, straight["errors"].keys()
         for i in range(len(FORMATS)):
@@ -241,4 +246,3 @@ def test_checkpoint_resume_bit_identical_and_topology_change(tmp_path):
         assert len(logs) == (1 if rank == 0 else 0), logs
         assert all("topology changed 2 nodes x 2 ranks, intra-node 8 bits -> flat" in m
                    for m in logs)
-    assert N == 3

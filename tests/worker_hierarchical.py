@@ -196,3 +196,17 @@ class _Recorder:
                 ratio = (got - exp).abs() / (bnd * (1 + 1e-5) + 1e-7)
                 worst["shard"] = max(worst["shard"], float(ratio.max()))
         return worst
+
+
+def two_nodes_worker(rank, world, steps, check_steps, ckpt_jobs):
+    """One spawn for tests/test_hierarchical.py: the collective cases, the GPT modes and the
+    checkpoint save jobs (tests/ckpt_worker.py), to pay for the 4 processes' start-up once."""
+    from megatron.core import parallel_state as ps
+
+    from .ckpt_worker import ckpt_worker
+
+    out = {"collective": collective_worker(rank, world),
+           "gpt": gpt_worker(rank, world, steps, check_steps)}
+    ps.destroy_model_parallel()  # ckpt_worker initialises its own
+    out["ckpt"] = ckpt_worker(rank, world, 1, ckpt_jobs)
+    return out
