@@ -200,9 +200,13 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     topo = topology if topology is not None else group_topology(group)
     M, L = topo.num_nodes, topo.per_node
     if L == 1:  # one rank per node: every link is inter-node
-        return compensated_reduce_scatter(output, input, op=op, group=group, async_op=async_op,
+        before = stats.bytes_sent if stats is not None else 0
+        work = compensated_reduce_scatter(output, input, op=op, group=group, async_op=async_op,
                                           compensator=compensator, key=key, layout=layout,
                                           stats=stats, timers=timers)
+        if stats is not None:
+            stats.inter_node_bytes += stats.bytes_sent - before
+        return work
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise ValueError(f"LoCo reduce-scatter supports ReduceOp.SUM and AVG, not {op}")
     world, n = dist.get_world_size(group), input.numel()
@@ -256,6 +260,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         stats.stock_bytes += (world - 1) * layout.shard * input.element_size()
 
     def finish():
+        send.clear()  # stage 1 finished: its send buffers may go
         decompress_timer.start()
         impl = kernels.select(cfg.kernels, output)
         table_device = output.device if impl != "torch" else "cpu"

@@ -130,7 +130,7 @@ def test_degenerate_topologies(collective):
     """L == 1 is the flat collective bit for bit; M == 1 at 16 bits is the stock reduce-scatter,
     at 8 bits the flat 8-bit collective (intra-stage buffer only)."""
     for rank in range(WORLD):
-        assert collective[rank]["L1"]
+        assert collective[rank]["L1"] == (True, True)
         m1 = collective[rank]["M1"]
         assert m1["stock_equal"]
         assert m1["stats16"]["inter_node_bytes"] == 0 and m1["stats16"]["intra_node_bytes"] > 0
@@ -151,12 +151,21 @@ def test_topology_from_group_ranks():
 
 @pytest.mark.parametrize("value", [None, "", "zero", "0", "-2"])
 def test_local_world_size_missing_or_invalid(monkeypatch, value):
+    """Refused by the collective and at start-up (check_megatron_args), naming the flag."""
+    import argparse
+
+    from loco_megatron.megatron.arguments import check_megatron_args
+
     if value is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
     with pytest.raises(LoCoConfigError, match="--loco-hierarchical.*LOCAL_WORLD_SIZE"):
         local_world_size()
+    args = argparse.Namespace(use_distributed_optimizer=True)
+    with pytest.raises(LoCoConfigError, match="--loco-hierarchical.*LOCAL_WORLD_SIZE"):
+        check_megatron_args(args, LoCoConfig(bits=4, hierarchical=True))
+    check_megatron_args(args, LoCoConfig(bits=4))  # flat LoCo does not need it
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert local_world_size() == 8
 

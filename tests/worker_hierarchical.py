@@ -55,12 +55,15 @@ def collective_worker(rank, world):
     ranks = list(range(world))
     flat_cfg = LoCoConfig(bits=4, block_size=BLOCK)
     g = grad(rank, 0)
-    flat, hier = torch.empty(shard), torch.empty(shard)
-    compensated_reduce_scatter(flat, g, compensator=Compensator(flat_cfg), key="b", layout=lay)
+    flat, hier, flat_stats, hier_stats = torch.empty(shard), torch.empty(shard), WireStats(), \
+        WireStats()
+    compensated_reduce_scatter(flat, g, compensator=Compensator(flat_cfg), key="b", layout=lay,
+                               stats=flat_stats)
     hierarchical_reduce_scatter(hier, g, compensator=Compensator(
         LoCoConfig(bits=4, block_size=BLOCK, hierarchical=True)), key="b", layout=lay,
-        topology=NodeTopology.build(ranks, 1))
-    out["L1"] = torch.equal(flat, hier)
+        topology=NodeTopology.build(ranks, 1), stats=hier_stats)
+    out["L1"] = (torch.equal(flat, hier),
+                 hier_stats.inter_node_bytes == hier_stats.bytes_sent == flat_stats.bytes_sent > 0)
     # M == 1 (one node of 4): full precision = the stock reduce-scatter; 8 bits = flat 8-bit
     stock, one16, one8 = torch.empty(shard), torch.empty(shard), torch.empty(shard)
     dist.reduce_scatter_tensor(stock, g)
