@@ -191,6 +191,11 @@ def test_config_flags_and_yaml(tmp_path):
     assert config_from_args(parser.parse_args(["--loco-bits", "4"])).hierarchical is False
     assert explicit_loco_flags(["--loco-hierarchical", "--loco-intra-node-bits", "8"]) == {
         "hierarchical": True, "intra_node_bits": 8}
+    # the command line switches off what a --config file switched on
+    assert explicit_loco_flags(["--loco-hierarchical", "--no-loco-hierarchical"]) == {
+        "hierarchical": False}
+    assert parser.parse_args(["--loco-hierarchical", "--no-loco-hierarchical"]) \
+        .loco_hierarchical is False
     assert loco_section_to_fields({"hierarchical": True, "intra-node-bits": 8}, "f") == {
         "hierarchical": True, "intra_node_bits": 8}
     with pytest.raises(LoCoConfigError, match="loco.hierarchical.*--loco-hierarchical"):

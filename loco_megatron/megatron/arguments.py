@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from ..config import ERROR_DTYPES, INTRA_NODE_BITS, KERNEL_CHOICES, LoCoConfig, LoCoConfigError
 
 #: dataclass field -> (flag, type, extra argparse kwargs); type ``bool`` with
-#: ``action="store_true"`` is a switch (YAML: ``true``/``false``)
+#: ``argparse.BooleanOptionalAction`` is a switch with a ``--no-`` form (YAML: ``true``/``false``)
 FLAGS = {
     "bits": ("--loco-bits", int, {"metavar": "{4,8,16,32}"}),
     "beta": ("--loco-err-beta", float, {"metavar": "BETA"}),
@@ -22,7 +22,7 @@ FLAGS = {
     "error_dtype": ("--loco-error-dtype", str, {"choices": ERROR_DTYPES}),
     "start_iter": ("--loco-start-iter", int, {"metavar": "STEPS"}),
     "kernels": ("--loco-kernels", str, {"choices": KERNEL_CHOICES}),
-    "hierarchical": ("--loco-hierarchical", bool, {"action": "store_true"}),
+    "hierarchical": ("--loco-hierarchical", bool, {"action": argparse.BooleanOptionalAction}),
     "intra_node_bits": ("--loco-intra-node-bits", int, {"choices": INTRA_NODE_BITS}),
 }
 
