@@ -216,7 +216,8 @@ def test_megatron_gpt_two_nodes(two_nodes):
     hierarchical 4-bit trains, reduces every shard within the inter stage's bound, sums the
     intra stage at full precision, keeps an inter-stage buffer per bucket and sends exactly
     the expected bytes on each kind of link."""
-    from loco_megatron.megatron.telemetry import hierarchical_bytes_per_step
+    from loco_megatron.megatron.telemetry import (_stage_error_elements,
+                                                  hierarchical_bytes_per_step)
 
     steps, results = GPT_STEPS, [r["gpt"] for r in two_nodes["ranks"]]
     cfg = LoCoConfig(bits=4, block_size=64, hierarchical=True)
@@ -238,6 +239,8 @@ def test_megatron_gpt_two_nodes(two_nodes):
         assert wire["intra_node_bytes"] == steps * sum(2 * lay.padded_shard * 4
                                                         for lay in loco4["layouts"])
         assert wire["calls"] == steps * len(loco4["layouts"])
+        elements = sum(_stage_error_elements(cfg, 2, 2, lay) for lay in loco4["layouts"])
+        assert loco4["error_bytes"] == elements + 4 * elements // cfg.block_size  # int8 + scales
 
 
 def test_checkpoint_resume_bit_identical_and_topology_change(two_nodes):

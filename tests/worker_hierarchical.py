@@ -125,6 +125,7 @@ def _train_hierarchical(bits, steps, check_steps):
             res.update(worst=worst, keys=sorted(map(str, keys)),
                        error_keys=sorted(map(str, state.compensator.errors)),
                        wire=vars(state.wire).copy(), layouts=layouts,
+                       error_bytes=state.compensator.error_bytes(),
                        steps=sorted(set(state.compensator.stats.steps.values())))
         return res
     finally:

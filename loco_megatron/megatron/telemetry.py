@@ -124,6 +124,9 @@ def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
         topo = group_topology(group)
         M, L = topo.num_nodes, topo.per_node
         intra, inter = hierarchical_bytes_per_step(config, M, L, lays)
+        elements = sum(_stage_error_elements(config, M, L, lay) for lay, _ in lays)
+        memory = (elements + 4 * (elements // config.block_size) if config.error_dtype == "int8"
+                  else 4 * elements)
         stage1 = ("full precision (grad dtype)" if config.intra_node_bits == 16
                   else "8-bit compensated")
         mode = (f"intra-node stage {stage1}, inter-node stage {config.bits}-bit compensated"
@@ -133,8 +136,17 @@ def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
         _print_rank_0(
             f"> LoCo hierarchical: model chunk {chunk}, data-parallel group of {M * L} ranks = "
             f"{M} nodes x {L} ranks (LOCAL_WORLD_SIZE={topo.local_world_size}): {mode}; "
-            f"{intra} bytes/step per rank intra-node, {inter} inter-node (these replace the "
-            f"flat estimate)")
+            f"{intra} bytes/step per rank intra-node, {inter} inter-node; error state {memory} "
+            f"bytes per rank in memory (these replace the flat figures)")
+
+
+def _stage_error_elements(config: LoCoConfig, M: int, L: int, lay: BucketLayout) -> int:
+    """Error-buffer elements of one bucket in the hierarchical mode (``N * P`` for the 8-bit
+    intra stage, ``M * P`` for the inter stage; the flat buffer when ``L == 1``)."""
+    if L == 1:
+        return lay.world * lay.padded_shard
+    intra = lay.world * lay.padded_shard if config.intra_node_bits == 8 else 0
+    return intra + (M * lay.padded_shard if M > 1 else 0)
 
 
 def _kernels_note(cfg, emulated: bool) -> str:
