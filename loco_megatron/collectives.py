@@ -53,11 +53,18 @@ def _timer(timers, name: str):
 
 @dataclass
 class WireStats:
-    """Bytes this rank sent to other ranks, exactly, and the stock reduce-scatter equivalent."""
+    """Bytes this rank sent to other ranks, exactly, and the stock reduce-scatter equivalent.
+
+    ``bytes_sent`` counts every byte sent to another rank; the hierarchical mode
+    (:mod:`loco_megatron.hierarchical`) also splits it into ``intra_node_bytes`` (to ranks on
+    the same node) and ``inter_node_bytes`` (to other nodes); the flat collective leaves both 0
+    (it does not know the nodes)."""
 
     calls: int = 0
     bytes_sent: int = 0
     stock_bytes: int = 0
+    intra_node_bytes: int = 0
+    inter_node_bytes: int = 0
 
     @property
     def ratio(self) -> float:

@@ -148,7 +148,8 @@ class Compensator:
             )
         return buf
 
-    def compress(self, key: Hashable, g: torch.Tensor, layout: Optional[BucketLayout] = None
+    def compress(self, key: Hashable, g: torch.Tensor, layout: Optional[BucketLayout] = None,
+                 *, bits: Optional[int] = None, step: Optional[int] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
         """Compensate ``g`` with bucket ``key``'s error, encode it, and update the error.
 
@@ -163,6 +164,11 @@ class Compensator:
                 table (blocks cut at shard and parameter boundaries); without: already in wire
                 order, ``[n]``, ``n`` a multiple of ``block_size``. Not modified.
             layout: the bucket's :class:`~loco_megatron.layout.BucketLayout`, or None.
+            bits: code width, 4 or 8 (default ``config.bits``; the hierarchical mode's
+                intra-node stage uses 8).
+            step: optimizer step that schedules the reset; default: ``key``'s own step counter,
+                which is then advanced. Given (the hierarchical mode's stage buffers follow their
+                bucket's counter), no counter is advanced.
 
         Returns:
             ``(payload, scales)`` as :func:`loco_megatron.quantization.encode` gives them for the
@@ -183,19 +189,22 @@ class Compensator:
         table = kernels.block_table(layout, g.device if impl != "torch" else "cpu")
         work = torch.float64 if g.dtype == torch.float64 else torch.float32
         buf = self._buffer(key, table.padded_numel, work, g.device)
-        step = self.stats.steps.get(key, 0)
+        own_counter = step is None
+        if own_counter:
+            step = self.stats.steps.get(key, 0)
         reset = bool(cfg.reset_interval and step > 0 and step % cfg.reset_interval == 0)
         if reset:
             self.stats.resets += 1
         payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
-            impl, g.reshape(-1), table, buf, bits=cfg.bits, beta=cfg.beta, reset=reset,
+            impl, g.reshape(-1), table, buf, bits=bits or cfg.bits, beta=cfg.beta, reset=reset,
             want_err_sq=self.metrics is not None)
         count = nonfinite.to(torch.int64)  # added on the device: no host sync
         self._nonfinite = count if self._nonfinite is None else self._nonfinite + count
         if self.metrics is not None:
             self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,
                                 nonfinite)
-        self.stats.steps[key] = step + 1
+        if own_counter:
+            self.stats.steps[key] = step + 1
         self.stats.calls += 1
         return payload, scales
 

@@ -14,6 +14,8 @@ FULL_PRECISION_BITS = (16, 32)
 ERROR_DTYPES = ("int8", "fp32")
 #: values of ``--loco-kernels`` (loco_megatron/kernels)
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
+#: values of ``--loco-intra-node-bits``: 8 (compensated) or 16 (the grad buffer's own precision)
+INTRA_NODE_BITS = (8, 16)
 #: Largest ``block_size``: blocks are padded at every parameter and shard boundary, so larger
 #: blocks only add padding (and a 10^12 block would allocate terabytes).
 MAX_BLOCK_SIZE = 65536
@@ -64,6 +66,19 @@ class LoCoConfig:
     runs), ``triton``, ``cpu`` or ``torch`` (the reference). All give the same codes and error
     buffers bit for bit (loco_megatron/kernels); not part of the checkpoint fingerprint."""
 
+    hierarchical: bool = False
+    """Two-stage reduce-scatter (``--loco-hierarchical``; DESIGN.md §2, docs/hierarchical.md):
+    within each node at ``intra_node_bits``, then across nodes at ``bits`` with its own error
+    buffer. Nodes are read from the launcher's ``LOCAL_WORLD_SIZE`` (ranks placed contiguously
+    per node, as torchrun and Slurm do). The inter-node stage uses ``bits``; with ``bits``
+    16/32 (LoCo off) the switch has no effect."""
+
+    intra_node_bits: int = 16
+    """Bits per element of the intra-node stage of ``--loco-hierarchical``
+    (``--loco-intra-node-bits``): 16 sends the gradient buffer's own dtype (full precision:
+    fp32 or bf16) and sums in fp32; 8 sends compensated 8-bit codes with their own error
+    buffer. Only used with ``--loco-hierarchical``."""
+
     def __post_init__(self):
         if self.bits is not None and self.bits not in COMPRESSED_BITS + FULL_PRECISION_BITS:
             raise LoCoConfigError(
@@ -97,6 +112,19 @@ class LoCoConfig:
                 f"--loco-kernels {self.kernels!r} is not one of {KERNEL_CHOICES} (auto picks "
                 f"Triton on GPUs and the C kernel on CPUs)."
             )
+        if not isinstance(self.hierarchical, bool):
+            raise LoCoConfigError(
+                f"--loco-hierarchical takes no value (a switch; 'hierarchical: true' in YAML), "
+                f"got {self.hierarchical!r}.")
+        if self.intra_node_bits not in INTRA_NODE_BITS:
+            raise LoCoConfigError(
+                f"--loco-intra-node-bits {self.intra_node_bits} is not one of {INTRA_NODE_BITS}: "
+                f"8 compresses the intra-node stage, 16 keeps it at the gradient buffer's "
+                f"precision.")
+        if self.intra_node_bits != 16 and not self.hierarchical:
+            raise LoCoConfigError(
+                f"--loco-intra-node-bits {self.intra_node_bits} only applies to the two-stage "
+                f"reduce-scatter: add --loco-hierarchical, or drop --loco-intra-node-bits.")
         if self.error_dtype not in ERROR_DTYPES:
             raise LoCoConfigError(
                 f"--loco-error-dtype {self.error_dtype!r} is not one of {ERROR_DTYPES}."

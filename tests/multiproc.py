@@ -15,11 +15,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world_size, tmpdir, args, backend):
+def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    local = local_world_size or world_size
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local),
+                      LOCAL_WORLD_SIZE=str(local))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{tmpdir}/rendezvous",
@@ -35,11 +36,13 @@ def _entry(rank, fn, world_size, tmpdir, args, backend):
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size, *args, backend="gloo"):
+def run_ranks(fn, world_size, *args, backend="gloo", local_world_size=None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or nccl with one GPU
-    per rank); return their results."""
+    per rank); return their results. ``local_world_size``: ranks per emulated node
+    (``LOCAL_WORLD_SIZE``; default all ranks on one node)."""
     with tempfile.TemporaryDirectory() as tmpdir:
-        mp.start_processes(_entry, args=(fn, world_size, tmpdir, args, backend), nprocs=world_size,
+        mp.start_processes(_entry, args=(fn, world_size, tmpdir, args, backend, local_world_size),
+                           nprocs=world_size,
                            join=True, start_method="spawn")
         results = []
         for r in range(world_size):

@@ -10,9 +10,10 @@ import argparse
 import sys
 from dataclasses import MISSING, fields
 
-from ..config import ERROR_DTYPES, KERNEL_CHOICES, LoCoConfig, LoCoConfigError
+from ..config import ERROR_DTYPES, INTRA_NODE_BITS, KERNEL_CHOICES, LoCoConfig, LoCoConfigError
 
-#: dataclass field -> (flag, type, extra argparse kwargs)
+#: dataclass field -> (flag, type, extra argparse kwargs); type ``bool`` with
+#: ``argparse.BooleanOptionalAction`` is a switch with a ``--no-`` form (YAML: ``true``/``false``)
 FLAGS = {
     "bits": ("--loco-bits", int, {"metavar": "{4,8,16,32}"}),
     "beta": ("--loco-err-beta", float, {"metavar": "BETA"}),
@@ -21,6 +22,8 @@ FLAGS = {
     "error_dtype": ("--loco-error-dtype", str, {"choices": ERROR_DTYPES}),
     "start_iter": ("--loco-start-iter", int, {"metavar": "STEPS"}),
     "kernels": ("--loco-kernels", str, {"choices": KERNEL_CHOICES}),
+    "hierarchical": ("--loco-hierarchical", bool, {"action": argparse.BooleanOptionalAction}),
+    "intra_node_bits": ("--loco-intra-node-bits", int, {"choices": INTRA_NODE_BITS}),
 }
 
 
@@ -35,7 +38,9 @@ def add_loco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     for f in fields(LoCoConfig):
         flag, typ, extra = FLAGS[f.name]
         default = None if f.default is MISSING else f.default
-        group.add_argument(flag, type=typ, default=default, dest=f"loco_{f.name}",
+        if "action" not in extra:
+            extra = {"type": typ, **extra}
+        group.add_argument(flag, default=default, dest=f"loco_{f.name}",
                            help=f"{_first_line(docs.get(f.name, ''))} (default: {default})",
                            **extra)
     return parser
@@ -134,6 +139,10 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
     if not config.enabled:
         return
     _check_fsdp(args, config)
+    if config.hierarchical:  # LOCAL_WORLD_SIZE from the launcher, at start-up
+        from ..hierarchical import local_world_size
+
+        local_world_size()
     from .plugin import check_ddp_config
 
     check_ddp_config(argparse.Namespace(

@@ -39,6 +39,7 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
     if is_loading:
         request = {"active": view.state.active, "dp_rank": rank, "dp_size": world,
                    "buckets": {r.name: {"error_numel": r.error_numel,
+                                        "stages": {p: n for p, _, n in view.stages(r)},
                                         "numel_unpadded": r.numel_unpadded,
                                         "sum_range": r.sum_range} for r in view.buckets}}
         return {REQUEST: m.LocalNonpersistentObject(request),
@@ -107,7 +108,7 @@ def resolve_requests(sharded_state_dict, checkpoint_dir) -> int:
         rank, world = req["dp_rank"], req["dp_size"]
         for name, b in req["buckets"].items():
             base = f"{prefix}.{name}"
-            exact = _saved_exact(saved, f"{base}.exact", world, b["error_numel"])
+            exact = _saved_exact(saved, f"{base}.exact", world, b["stages"])
             if exact is not None:
                 entry["exact"][name] = {
                     f: m.ShardedTensor.from_rank_offsets(
@@ -126,15 +127,24 @@ def resolve_requests(sharded_state_dict, checkpoint_dir) -> int:
     return len(requests)
 
 
-def _saved_exact(saved, base: str, world: int, numel: int):
-    """``{field: (dtype, local numel)}`` of an exact form saved at DP size ``world``, else None."""
-    for fields in (("codes", "scales"), ("values",)):
-        metas = [saved.get(f"{base}.{f}") for f in fields]
-        if all(x is not None for x in metas):
-            shapes = [tuple(x.global_shape) for x in metas]
-            if all(len(s) == 2 and s[0] == world for s in shapes) and shapes[0][1] == numel:
-                return {f: (x.dtype, s[1]) for f, x, s in zip(fields, metas, shapes)}
-    return None
+def _saved_exact(saved, base: str, world: int, stages: Dict[str, int]):
+    """``{field: (dtype, local numel)}`` of an exact form saved at DP size ``world`` holding
+    every error buffer of ``stages`` (``{field prefix: numel}``, :meth:`OptimizerLoCo.stages`),
+    else None."""
+    out = {}
+    for prefix, numel in stages.items():
+        stage = f"{base}.{prefix}" if prefix else base
+        for fields in (("codes", "scales"), ("values",)):
+            metas = [saved.get(f"{stage}.{f}") for f in fields]
+            if all(x is not None for x in metas):
+                shapes = [tuple(x.global_shape) for x in metas]
+                if all(len(s) == 2 and s[0] == world for s in shapes) and shapes[0][1] == numel:
+                    out.update({f"{prefix}.{f}" if prefix else f: (x.dtype, s[1])
+                                for f, x, s in zip(fields, metas, shapes)})
+                    break
+        else:
+            return None
+    return out
 
 
 def load_entry(view: OptimizerLoCo, entry: dict) -> List[str]:

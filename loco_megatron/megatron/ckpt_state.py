@@ -9,6 +9,11 @@ buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own
   same optimizer steps across a resume);
 * ``exact``: this rank's error buffer as stored (int8 codes + fp32 scales, or fp32 values) in
   the padded wire layout; restored bit for bit when the DP size and layout are unchanged;
+* with ``--loco-hierarchical`` the exact form holds the stage buffers instead (fields
+  ``intra.*`` and ``inter.*``, :meth:`OptimizerLoCo.stages`) and ``meta`` the topology; there
+  is no ``sum`` form (a DP-sum of per-stage buffers has no meaning in another topology), so a
+  changed topology (nodes, ranks per node, intra-node bits, or flat <-> hierarchical) resets
+  the error buffers with one warning;
 * ``sum``: the DP-sum of all ranks' errors, reduce-scattered, in the bucket's
   ``dp_reshardable`` index space ``[0, numel_unpadded)`` (rank ``r`` keeps
   ``[r * shard, (r + 1) * shard)``). Error feedback only guarantees the summed error (DESIGN §1),
@@ -21,11 +26,12 @@ buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..hierarchical import INTER, INTRA
 from ..layout import BucketLayout
 
 logger = logging.getLogger(__name__)
@@ -79,8 +85,16 @@ class OptimizerLoCo:
         self.domain = int(getattr(optimizer, "data_parallel_group_idx", 0))
         self.prefix = f"loco.dp_group_idx_{self.domain}"
         self.buckets: List[BucketRef] = []
+        #: ``--loco-hierarchical`` topology saved in ``meta`` (None: flat LoCo)
+        self.hierarchy: Optional[Dict[str, int]] = None
         if not state.active:
             return
+        if state.config.hierarchical and self.dp_size > 1:
+            from ..hierarchical import group_topology
+
+            topo = group_topology(self.group)
+            self.hierarchy = {"nodes": topo.num_nodes, "per_node": topo.per_node,
+                              "intra_node_bits": state.config.intra_node_bits}
         for g, buffer in enumerate(optimizer.buffers):
             for b, bucket in enumerate(buffer.buckets):
                 if getattr(bucket, "loco_generation", None) != state.generation:
@@ -93,31 +107,56 @@ class OptimizerLoCo:
 
     @property
     def forms(self) -> List[str]:
-        """Error forms saved: none at DP size 1 (nothing is compressed there)."""
-        return ["exact", "sum"] if self.state.active and self.dp_size > 1 else []
+        """Error forms saved: none at DP size 1 (nothing is compressed there); exact only in
+        the hierarchical mode."""
+        if not self.state.active or self.dp_size == 1:
+            return []
+        return ["exact"] if self.hierarchy is not None else ["exact", "sum"]
+
+    def stages(self, ref: BucketRef) -> List[Tuple[str, object, int]]:
+        """``(field prefix, error-buffer key, numel)`` of each error buffer of ``ref``: the
+        bucket's own (prefix ``""``) in flat LoCo and with one rank per node; the hierarchical
+        stages' otherwise (``intra``: ``N * P`` elements at 8 intra-node bits; ``inter``:
+        ``M * P`` with more than one node; loco_megatron/hierarchical.py)."""
+        h = self.hierarchy
+        if h is None or h["per_node"] == 1:
+            return [("", ref.key, ref.error_numel)]
+        out = []
+        if h["intra_node_bits"] == 8:
+            out.append((INTRA, (ref.key, INTRA), ref.error_numel))
+        if h["nodes"] > 1:
+            out.append((INTER, (ref.key, INTER), h["nodes"] * ref.layout.padded_shard))
+        return out
 
     def meta(self) -> Dict[str, object]:
         """Plain-Python description of the saved state (same on every DP rank)."""
         cfg, steps = self.state.config, self.state.compensator.stats.steps
         return {
             "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
+            "hierarchical": self.hierarchy,
             "fingerprint": {"bits": cfg.bits, "block_size": cfg.block_size,
                             "error_dtype": cfg.error_dtype, "beta": cfg.beta,
                             "reset_interval": cfg.reset_interval},
             "buckets": {r.name: {"numel": r.bucket.grad_data.numel(),
                                  "numel_unpadded": r.numel_unpadded,
                                  "error_numel": r.error_numel, "params": r.params(),
+                                 "stages": {p: n for p, _, n in self.stages(r)},
                                  "step": int(steps.get(r.key, 0))} for r in self.buckets},
         }
 
-    def _error(self, ref: BucketRef):
-        """``ref``'s :class:`ErrorBuffer` (created as zeros if the bucket never compressed)."""
-        return self.state.compensator._buffer(ref.key, ref.error_numel, torch.float32,
-                                              ref.bucket.grad_data.device)
+    def _error(self, ref: BucketRef, key=None, numel=None):
+        """``ref``'s :class:`ErrorBuffer` (or the stage buffer ``key`` of ``numel`` elements),
+        created as zeros if never used."""
+        return self.state.compensator._buffer(ref.key if key is None else key,
+                                              ref.error_numel if numel is None else numel,
+                                              torch.float32, ref.bucket.grad_data.device)
 
     def exact(self, ref: BucketRef) -> Dict[str, torch.Tensor]:
-        """This rank's stored error tensors for ``ref`` (live tensors, zeros if never used)."""
-        return self._error(ref).tensors()
+        """This rank's stored error tensors for ``ref`` (live tensors, zeros if never used);
+        stage buffers' fields prefixed ``intra.`` / ``inter.``."""
+        return {f"{prefix}.{field}" if prefix else field: t
+                for prefix, key, numel in self.stages(ref)
+                for field, t in self._error(ref, key, numel).tensors().items()}
 
     def summed_shard(self, ref: BucketRef) -> torch.Tensor:
         """Collective over the DP group: this rank's ``sum_range`` of the DP-summed error, fp32."""
@@ -211,6 +250,16 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
                                   f"{'the saved error buffers are dropped' if view.dp_size == 1 else 'there is no saved error'}: "
                                   f"error buffers start from zero")
         return notes
+    if meta.get("hierarchical") != view.hierarchy:
+        for ref in view.buckets:
+            comp.reset_error(ref.key)
+            for _, key, _ in view.stages(ref):
+                comp.reset_error(key)
+        note(logging.WARNING, f"LoCo: --loco-hierarchical topology changed "
+                              f"{_describe(meta.get('hierarchical'))} -> "
+                              f"{_describe(view.hierarchy)} since {source}; the per-stage error "
+                              f"buffers do not map onto it: error buffers reset to zero")
+        return notes
     resharded, unmapped = 0, []
     for ref in view.buckets:
         where = f"{source} key {view.prefix}.{ref.name}"
@@ -221,8 +270,10 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
             reason = "its parameters differ (model or --ddp-bucket-size changed)"
         if (reason is None and exact is not None and ref.name in exact
                 and saved_dp == view.dp_size and entry["error_numel"] == ref.error_numel):
-            comp.restore_error(ref.key, exact[ref.name], ref.error_numel,
-                               ref.bucket.grad_data.device, where=where + ".exact")
+            for prefix, key, numel in view.stages(ref):
+                comp.restore_error(key, _stage_fields(exact[ref.name], prefix), numel,
+                                   ref.bucket.grad_data.device,
+                                   where=where + ".exact" + (f".{prefix}" if prefix else ""))
         elif reason is None and sums is not None and ref.name in sums:
             _restore_from_sum(view, ref, sums[ref.name], where)
             resharded += 1
@@ -242,6 +293,20 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get('error_dtype')} -> "
                               f"{cfg.error_dtype}; saved errors converted")
     return notes
+
+
+def _describe(hierarchy) -> str:
+    if hierarchy is None:
+        return "flat"
+    return (f"{hierarchy['nodes']} nodes x {hierarchy['per_node']} ranks, intra-node "
+            f"{hierarchy['intra_node_bits']} bits")
+
+
+def _stage_fields(fields: Dict[str, torch.Tensor], prefix: str) -> Dict[str, torch.Tensor]:
+    """The fields of one error buffer in an exact entry (``prefix.field``, or unprefixed)."""
+    if not prefix:
+        return {k: v for k, v in fields.items() if "." not in k}
+    return {k[len(prefix) + 1:]: v for k, v in fields.items() if k.startswith(prefix + ".")}
 
 
 def _restore_from_sum(view: OptimizerLoCo, ref: BucketRef, values, where: str) -> None:

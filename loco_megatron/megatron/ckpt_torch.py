@@ -45,7 +45,7 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
     if "exact" in meta["forms"]:
         exact = {name: {k: t.detach().cpu().clone() for k, t in fields.items()}
                  for name, fields in exact_entries(view).items()}
-        for ref in view.buckets:
+        for ref in view.buckets if "sum" in meta["forms"] else ():
             sums[ref.name] = {"start": ref.sum_range[0],
                               "values": view.summed_shard(ref).detach().cpu().clone()}
     if view.dp_rank == 0:  # files of ranks beyond this DP size are stale (an earlier save)

@@ -23,12 +23,13 @@ from typing import Optional
 import torch
 
 from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
+from ..hierarchical import hierarchical_reduce_scatter
 from ..compensator import Compensator
 from ..config import LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
 from ..metrics import StepMetrics
 from . import ckpt_hooks, compat, loss_scale
-from .telemetry import log_chunk_layout
+from .telemetry import log_chunk_layout, log_hierarchical_topology
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,13 @@ def _wrap_ddp_init(orig):
              bucket.grad_data.element_size())
             for group in groups for bucket in group.buckets
             if group.intra_distributed_optimizer_instance_size > 1])
+        if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
+            log_hierarchical_topology(chunk, state.config, [
+                (group.intra_distributed_optimizer_instance_group,
+                 state.layout_for(bucket, group.intra_distributed_optimizer_instance_size),
+                 bucket.grad_data.element_size())
+                for group in groups for bucket in group.buckets
+                if group.intra_distributed_optimizer_instance_size > 1])
     return __init__
 
 
@@ -171,7 +179,9 @@ def _wrap_start_grad_sync(orig):
                     "loco_megatron.install() (or under an earlier one); build the DDP model "
                     "after install() so that it gets its own error buffers.")
             layout = state.layout_for(bucket, torch.distributed.get_world_size(group))
-            work = compensated_reduce_scatter(
+            collective = (hierarchical_reduce_scatter if state.config.hierarchical
+                          else compensated_reduce_scatter)
+            work = collective(
                 output, input, op=op, group=group, async_op=async_op,
                 compensator=state.compensator, key=bucket.loco_key, layout=layout,
                 stats=state.wire, timers=timers)

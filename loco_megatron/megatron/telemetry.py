@@ -81,6 +81,74 @@ def log_chunk_layout(chunk: int, config: LoCoConfig,
             f"this model; use 256 (the default) or smaller.")
 
 
+def hierarchical_bytes_per_step(config: LoCoConfig, M: int, L: int,
+                                buckets: List[Tuple[BucketLayout, int]]) -> Tuple[int, int]:
+    """Exact bytes one rank sends per optimizer step in the hierarchical mode:
+    ``(intra-node, inter-node)`` for ``M`` nodes x ``L`` ranks (loco_megatron/hierarchical.py;
+    ``L == 1``: all flat LoCo bytes are inter-node; ``M == 1`` at 16 bits: the stock bytes).
+
+    Args:
+        buckets: ``(layout, grad element size in bytes)`` per bucket.
+    """
+    intra = inter = 0
+    for lay, elem in buckets:
+        P = lay.padded_shard
+        if L == 1:
+            inter += (M - 1) * wire_bytes(P, config.bits, config.block_size)
+        elif M == 1 and config.intra_node_bits == 16:
+            intra += (L - 1) * lay.shard * elem
+        else:
+            intra += (L - 1) * (M * P * elem if config.intra_node_bits == 16 else
+                                wire_bytes(M * P, 8, config.block_size))
+            inter += (M - 1) * wire_bytes(P, config.bits, config.block_size)
+    return intra, inter
+
+
+def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
+    """One line per DP group of a model chunk under ``--loco-hierarchical``: ``M`` nodes x ``L``
+    ranks and the expected bytes per step per rank on each kind of link.
+
+    Args:
+        buckets: ``(DP process group, layout, grad element size)`` per bucket.
+
+    Raises:
+        LoCoConfigError: LOCAL_WORLD_SIZE missing or invalid, or uneven nodes (at start-up,
+            from :func:`loco_megatron.hierarchical.group_topology`).
+    """
+    from ..hierarchical import group_topology
+
+    by_group = {}
+    for group, lay, elem in buckets:
+        by_group.setdefault(id(group), (group, []))[1].append((lay, elem))
+    for group, lays in by_group.values():
+        topo = group_topology(group)
+        M, L = topo.num_nodes, topo.per_node
+        intra, inter = hierarchical_bytes_per_step(config, M, L, lays)
+        elements = sum(_stage_error_elements(config, M, L, lay) for lay, _ in lays)
+        memory = (elements + 4 * (elements // config.block_size) if config.error_dtype == "int8"
+                  else 4 * elements)
+        stage1 = ("full precision (grad dtype)" if config.intra_node_bits == 16
+                  else "8-bit compensated")
+        mode = (f"intra-node stage {stage1}, inter-node stage {config.bits}-bit compensated"
+                if M > 1 and L > 1 else
+                f"one rank per node: flat {config.bits}-bit LoCo" if L == 1 else
+                f"one node, no inter-node link: intra-node stage {stage1} only")
+        _print_rank_0(
+            f"> LoCo hierarchical: model chunk {chunk}, data-parallel group of {M * L} ranks = "
+            f"{M} nodes x {L} ranks (LOCAL_WORLD_SIZE={topo.local_world_size}): {mode}; "
+            f"{intra} bytes/step per rank intra-node, {inter} inter-node; error state {memory} "
+            f"bytes per rank in memory (these replace the flat figures)")
+
+
+def _stage_error_elements(config: LoCoConfig, M: int, L: int, lay: BucketLayout) -> int:
+    """Error-buffer elements of one bucket in the hierarchical mode (``N * P`` for the 8-bit
+    intra stage, ``M * P`` for the inter stage; the flat buffer when ``L == 1``)."""
+    if L == 1:
+        return lay.world * lay.padded_shard
+    intra = lay.world * lay.padded_shard if config.intra_node_bits == 8 else 0
+    return intra + (M * lay.padded_shard if M > 1 else 0)
+
+
 def _kernels_note(cfg, emulated: bool) -> str:
     """Which hot-path implementation ``--loco-kernels`` resolves to on this rank's device."""
     import torch
@@ -104,6 +172,11 @@ def log_loco_startup(state, args, emulated: bool) -> None:
             f"> LoCo active: {cfg.bits}-bit compensated reduce-scatter, block {cfg.block_size}, "
             f"err-beta {cfg.beta}, reset every {cfg.reset_interval} steps, error storage "
             f"{cfg.error_dtype}; {_kernels_note(cfg, emulated)}; on {where}"
+            + (f"; hierarchical: intra-node stage "
+               f"{'full precision' if cfg.intra_node_bits == 16 else '8-bit compensated'}, "
+               f"inter-node stage {cfg.bits}-bit, nodes of LOCAL_WORLD_SIZE="
+               f"{os.environ.get('LOCAL_WORLD_SIZE', '(unset)')} ranks (M nodes x L ranks per "
+               f"DP group logged when the model is wrapped)" if cfg.hierarchical else "")
             + (f"; full precision for the first {cfg.start_iter} steps (--loco-start-iter)"
                if cfg.start_iter else ""))
     else:

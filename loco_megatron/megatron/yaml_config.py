@@ -75,8 +75,8 @@ def loco_section_to_fields(section: Any, source: str) -> Dict[str, Any]:
             continue
         flag, typ, _extra = FLAGS[field]
         try:
-            if isinstance(value, bool) and typ is not bool:
-                raise TypeError(value)  # int(True) == 1 would pass silently
+            if isinstance(value, bool) != (typ is bool):
+                raise TypeError(value)  # int(True) == 1, bool("false") would pass silently
             out[field] = value if isinstance(value, bool) else typ(str(value))
         except (TypeError, ValueError):
             raise LoCoConfigError(f"{source}: loco.{key}: {value!r} is not a valid value for "
