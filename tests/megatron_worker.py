@@ -43,20 +43,24 @@ class ShardChecker:
 
         state.compensator.compress = recording_compress
 
-    def check(self, model, dp_group) -> float:
-        """Max of |reduced - exact| / bound over every bucket (must be <= 1)."""
+    def check(self, model, dp_group, sum_group=None) -> float:
+        """Max of |reduced - exact| / bound over every bucket (must be <= 1). ``dp_group``: the
+        group the buckets reduce-scatter over; ``sum_group`` (default ``dp_group``): the ranks
+        whose h the reduced shard sums (e.g. the whole DP group with several distributed
+        optimizer instances, where the shard is all-reduced across instances after)."""
         from loco_megatron.quantization import quantize_blockwise
 
         cfg, worst = self.state.config, 0.0
         rank, world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        sum_group = dp_group if sum_group is None else sum_group
         for group in model.bucket_groups:
             for bucket in group.buckets:
                 h = self.sent[bucket.loco_key]
                 _, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
                 half_step = (scales / 2).repeat_interleave(cfg.block_size)
                 exact, bound = h.clone(), half_step.clone()
-                dist.all_reduce(exact, group=dp_group)
-                dist.all_reduce(bound, group=dp_group)
+                dist.all_reduce(exact, group=sum_group)
+                dist.all_reduce(bound, group=sum_group)
                 layout = self.state.layouts[bucket.loco_key]
                 shard = bucket.grad_data.numel() // world
                 exp, bnd = (torch.empty(shard, dtype=torch.float64) for _ in range(2))

@@ -7,9 +7,12 @@ bucket_idx_{b}`` (``ChainedOptimizer`` prefixes it like the rest):
 * ``.meta``: a ``ShardedObject`` (one per TP/PP domain) with the fingerprint, DP size, bucket
   layout and step counters (:meth:`OptimizerLoCo.meta`);
 * ``.exact.{codes,scales|values}``: each rank's error buffer under a leading DP axis,
-  ``ShardedTensor.from_rank_offsets(key, data, (0, dp_rank, dp_size), prepend_axis_num=1)``;
+  ``ShardedTensor.from_rank_offsets(key, data, (0, dp_rank, dp_size), prepend_axis_num=1)``
+  (with several distributed-optimizer instances: index ``instance * dp_size + dp_rank`` of
+  ``instances * dp_size``);
 * ``.error_sum``: the DP-summed error in the ``dp_reshardable`` index space,
-  global shape ``(numel_unpadded,)``, rank ``r`` holding ``[r * shard, (r + 1) * shard)``.
+  global shape ``(numel_unpadded,)``, rank ``r`` holding ``[r * shard, (r + 1) * shard)``
+  (summed over all instances too; instance 0 is the main replica).
 
 Which of these a load can use depends on the checkpoint (DP size, presence of LoCo state), which
 ``sharded_state_dict(is_loading=True)`` cannot see. So the load template holds only a request and
@@ -35,18 +38,19 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
     """The ``"loco"`` entry of ``view``'s optimizer sharded state dict (collective on save:
     the summed error is reduce-scattered over the DP group)."""
     m = _mapping()
-    meta_key, rank, world = f"{view.prefix}.meta", view.dp_rank, view.dp_size
+    meta_key, rank, world = f"{view.prefix}.meta", view.exact_rank, view.exact_world
+    meta_replica = (0, view.instance, view.dp_rank)
     if is_loading:
         request = {"active": view.state.active, "dp_rank": rank, "dp_size": world,
                    "buckets": {r.name: {"error_numel": r.error_numel,
                                         "numel_unpadded": r.numel_unpadded,
                                         "sum_range": r.sum_range} for r in view.buckets}}
         return {REQUEST: m.LocalNonpersistentObject(request),
-                "meta": m.ShardedObject(meta_key, None, (1,), (0,), replica_id=(0, 0, rank))}
+                "meta": m.ShardedObject(meta_key, None, (1,), (0,), replica_id=meta_replica)}
     meta = view.meta()
     if not compat.supports_uneven_sharded_tensors():  # megatron-core < 0.15: exact form only
         meta["forms"] = [f for f in meta["forms"] if f != "sum"]
-    entry = {"meta": m.ShardedObject(meta_key, meta, (1,), (0,), replica_id=(0, 0, rank)),
+    entry = {"meta": m.ShardedObject(meta_key, meta, (1,), (0,), replica_id=meta_replica),
              "exact": {}, "sum": {}}
     if "exact" not in meta["forms"]:
         return entry
@@ -61,15 +65,16 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
         values = view.summed_shard(ref)
         if values.numel():
             entry["sum"][ref.name] = _sum_tensor(f"{base}.error_sum", values, ref.numel_unpadded,
-                                                 ref.sum_range[0])
+                                                 ref.sum_range[0], replica_id=view.instance)
     return entry
 
 
-def _sum_tensor(key: str, data: torch.Tensor, numel_unpadded: int, start: int):
+def _sum_tensor(key: str, data: torch.Tensor, numel_unpadded: int, start: int,
+                replica_id: int = 0):
     return _mapping().ShardedTensor(
         key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
         global_shape=(numel_unpadded,), global_offset=(start,), axis_fragmentations=None,
-        replica_id=0, prepend_axis_num=0, allow_shape_mismatch=False, flattened_range=None)
+        replica_id=replica_id, prepend_axis_num=0, allow_shape_mismatch=False, flattened_range=None)
 
 
 def _requests(tree) -> Iterator[dict]:

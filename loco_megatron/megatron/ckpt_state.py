@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import BucketLayout
+from . import compat
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,15 @@ class OptimizerLoCo:
         self.optimizer, self.state = optimizer, state
         self.group = optimizer.data_parallel_group
         self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
+        # several distributed-optimizer instances: the DP group above is this instance's;
+        # each instance's ranks keep their own error buffers
+        self.instances, self.instance, self.inter_group = compat.optimizer_instances(optimizer)
         self.domain = int(getattr(optimizer, "data_parallel_group_idx", 0))
-        self.prefix = f"loco.dp_group_idx_{self.domain}"
+        expert = any(not getattr(p, "allreduce", True)
+                     for buffer in optimizer.buffers for p in buffer.params)
+        # the expert optimizer's own name: a ChainedOptimizer does not prefix its members'
+        # keys for fully reshardable formats, where dense and expert domain 0 would collide
+        self.prefix = f"loco.{'expert_' if expert else ''}dp_group_idx_{self.domain}"
         self.buckets: List[BucketRef] = []
         if not state.active:
             return
@@ -92,6 +100,16 @@ class OptimizerLoCo:
                     state.layout_for(bucket, self.dp_size), self.dp_rank))
 
     @property
+    def exact_rank(self) -> int:
+        """Index of this rank's exact error buffer among all instances' ranks."""
+        return self.instance * self.dp_size + self.dp_rank
+
+    @property
+    def exact_world(self) -> int:
+        """Number of exact error buffers saved (DP size x instances)."""
+        return self.instances * self.dp_size
+
+    @property
     def forms(self) -> List[str]:
         """Error forms saved: none at DP size 1 (nothing is compressed there)."""
         return ["exact", "sum"] if self.state.active and self.dp_size > 1 else []
@@ -99,8 +117,9 @@ class OptimizerLoCo:
     def meta(self) -> Dict[str, object]:
         """Plain-Python description of the saved state (same on every DP rank)."""
         cfg, steps = self.state.config, self.state.compensator.stats.steps
+        extra = {"instances": self.instances} if self.instances > 1 else {}
         return {
-            "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
+            **extra, "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
             "fingerprint": {"bits": cfg.bits, "block_size": cfg.block_size,
                             "error_dtype": cfg.error_dtype, "beta": cfg.beta,
                             "reset_interval": cfg.reset_interval},
@@ -120,11 +139,15 @@ class OptimizerLoCo:
         return self._error(ref).tensors()
 
     def summed_shard(self, ref: BucketRef) -> torch.Tensor:
-        """Collective over the DP group: this rank's ``sum_range`` of the DP-summed error, fp32."""
+        """Collective over the DP group (and across instances): this rank's ``sum_range`` of the
+        error summed over every DP rank of every instance, fp32 (the inter-instance all-reduce
+        adds the instances' reduced shards, so their errors add up too)."""
         layout = ref.layout
         err = self._error(ref).get().float()
         padded = torch.empty(layout.padded_shard, dtype=torch.float32, device=err.device)
         dist.reduce_scatter_tensor(padded, err, group=self.group)
+        if self.inter_group is not None:
+            dist.all_reduce(padded, group=self.inter_group)
         shard = torch.zeros(layout.shard, dtype=torch.float32, device=err.device)
         layout.from_padded_shard(padded, self.dp_rank, shard)
         start, stop = ref.sum_range
@@ -212,6 +235,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
                                   f"error buffers start from zero")
         return notes
     resharded, unmapped = 0, []
+    saved_instances = meta.get("instances", 1)
+    same_grid = saved_dp == view.dp_size and saved_instances == view.instances
     for ref in view.buckets:
         where = f"{source} key {view.prefix}.{ref.name}"
         entry, reason = saved.get(ref.name), None
@@ -219,8 +244,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
             reason = "not in the checkpoint"
         elif entry["numel_unpadded"] != ref.numel_unpadded or entry["params"] != ref.params():
             reason = "its parameters differ (model or --ddp-bucket-size changed)"
-        if (reason is None and exact is not None and ref.name in exact
-                and saved_dp == view.dp_size and entry["error_numel"] == ref.error_numel):
+        if (reason is None and exact is not None and ref.name in exact and same_grid
+                and entry["error_numel"] == ref.error_numel):
             comp.restore_error(ref.key, exact[ref.name], ref.error_numel,
                                ref.bucket.grad_data.device, where=where + ".exact")
         elif reason is None and sums is not None and ref.name in sums:
@@ -234,6 +259,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
                               f"{', '.join(unmapped)}; those error buffers reset to zero")
     if resharded:
         why = (f"DP size changed {saved_dp} -> {view.dp_size}" if saved_dp != view.dp_size else
+               f"distributed-optimizer instances changed {saved_instances} -> {view.instances}"
+               if saved_instances != view.instances else
                f"bucket padding changed at DP size {saved_dp} (e.g. "
                f"--ddp-pad-buckets-for-high-nccl-busbw)")
         note(logging.WARNING, f"LoCo: {why}: {resharded} error buffers resharded from the "
@@ -250,6 +277,9 @@ def _restore_from_sum(view: OptimizerLoCo, ref: BucketRef, values, where: str) -
         raise ValueError(f"LoCo checkpoint {where}.error_sum: expected {stop - start} values "
                          f"for DP rank {view.dp_rank}, got "
                          f"{tuple(values.shape) if isinstance(values, torch.Tensor) else values}")
+    if view.instance > 0:  # the sum is over all instances: instance 0 carries it
+        view.state.compensator.reset_error(ref.key)
+        return
     device = ref.bucket.grad_data.device
     shard = torch.zeros(ref.layout.shard, dtype=torch.float32, device=device)
     shard[:stop - start] = values.to(device, torch.float32)
