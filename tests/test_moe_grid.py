@@ -40,6 +40,7 @@ def test_moe_expert_buckets_compressed_and_checkpointed(tmp_path):
         assert loco["losses"][-1] < 0.95 * loco["losses"][0], loco["losses"]
         # checkpoint: every error buffer (dense and expert) restored bit for bit, and the
         # resumed run continues exactly as the uninterrupted one
+        assert res["fully_reshardable_saved"]  # dense and expert LoCo keys do not collide
         ck = res["ckpt"]
         assert ck["nonzero"] == {"dense": True, "expert": True}
         assert ck["torch_dirs"] == ["mp_rank_00_000", "mp_rank_00_001"]  # one per EP rank

@@ -29,6 +29,10 @@ def setup_moe():
 
     torch._dynamo.config.disable = True
     activate()
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16 without Transformer Engine tests it
+        moe_utils.te_general_gemm = None           # unguarded in RouterGatingLinearFunction
     ps.initialize_model_parallel(expert_model_parallel_size=EP)
 
 
@@ -49,7 +53,7 @@ def build_moe_gpt(overlap: bool, bucket_size: int = 4000):
                             hidden_dropout=0.0, attention_dropout=0.0,
                             num_moe_experts=EXPERTS, moe_router_topk=2,
                             expert_model_parallel_size=EP, moe_token_dispatcher_type="allgather",
-                            moe_aux_loss_coeff=0.0)
+                            moe_aux_loss_coeff=0.0, add_bias_linear=False)  # 0.13: MoE has no bias
     gpt = GPTModel(config=cfg, vocab_size=VOCAB, max_sequence_length=SEQ,
                    transformer_layer_spec=get_gpt_layer_local_spec(
                        num_experts=EXPERTS, moe_grouped_gemm=False))
@@ -129,6 +133,27 @@ def train_moe(mode: str, overlap: bool, steps: int, check_steps=(0, 3)):
         raise
 
 
+def _save_fully_reshardable(model, opt, ckpt_dir) -> bool:
+    """Save as Megatron-LM does with ``--dist-ckpt-optim-fully-reshardable`` (0.19
+    megatron/training/checkpointing.py: ``chained_optim_avoid_prefix``, so the ChainedOptimizer
+    does not prefix its dense and expert members' keys; LoCo's own keys must differ)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if "fully_reshardable" not in getattr(DistributedOptimizer,
+                                          "checkpoint_fully_reshardable_formats", ()):
+        return True  # megatron-core 0.13: no such format, and members always prefixed
+    metadata = {"distrib_optim_sharding_type": "fully_reshardable",
+                "chained_optim_avoid_prefix": True, "dp_cp_group": ps.get_data_parallel_group()}
+    os.makedirs(ckpt_dir, exist_ok=True)
+    model_sd = model.module.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd,
+                             "optimizer": opt.sharded_state_dict(model_sd, metadata=metadata)},
+                            ckpt_dir)
+    return True
+
+
 def moe_worker(rank, world, overlap, steps, ckpt_dir):
     """stock, bits16 and loco4 training; then the loco4 run is saved in both checkpoint formats
     and resumed from each (tests/worker_resume.py). Returns the three runs' results and the
@@ -146,6 +171,8 @@ def moe_worker(rank, world, overlap, steps, ckpt_dir):
     results["loco4"], model, opt, state = train_moe("loco4", overlap, steps)
     expert = _expert_keys(model)
     dense = {b.loco_key for g in model.bucket_groups for b in g.buckets}
+    results["fully_reshardable_saved"] = _save_fully_reshardable(
+        model, opt, os.path.join(ckpt_dir, "fully_reshardable"))
     results["ckpt"] = save_then_resume(model, opt, state, lambda: build_moe_gpt(overlap),
                                        state.config, ckpt_dir, {"dense": dense, "expert": expert})
     results["ckpt"]["torch_dirs"] = sorted(os.listdir(os.path.join(ckpt_dir, "torch")))
