@@ -16,6 +16,12 @@ buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own
   new layout (zero elsewhere): the DP-sum is preserved up to one fp32 rounding (int8 storage
   adds its usual half step).
 
+With several distributed-optimizer instances each instance's ranks keep their own error buffers:
+the exact form has an instance axis before the DP axis, the summed form sums over all
+instances (megatron-core all-reduces the instances' reduced shards, so their errors add up) and
+is restored into instance 0. The expert optimizer of an MoE model uses the prefix
+``loco.expert_dp_group_idx_{i}`` (its own DP group: expert-DP).
+
 :func:`apply` implements the resume policy and returns the lines it logged.
 """
 
@@ -98,16 +104,6 @@ class OptimizerLoCo:
                 self.buckets.append(BucketRef(
                     f"gbuf_idx_{g}.bucket_idx_{b}", bucket, bucket.loco_key,
                     state.layout_for(bucket, self.dp_size), self.dp_rank))
-
-    @property
-    def exact_rank(self) -> int:
-        """Index of this rank's exact error buffer among all instances' ranks."""
-        return self.instance * self.dp_size + self.dp_rank
-
-    @property
-    def exact_world(self) -> int:
-        """Number of exact error buffers saved (DP size x instances)."""
-        return self.instances * self.dp_size
 
     @property
     def forms(self) -> List[str]:

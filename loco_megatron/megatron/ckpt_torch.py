@@ -15,6 +15,13 @@ name and renamed, so a failed save never leaves a half-written file under the fi
 megatron only points ``latest_checkpointed_iteration.txt`` at an iteration after every rank's
 save returned. On load, a rank reads its own file (same DP size) or the files whose shards of
 the summed error overlap its new shard (DP size changed), memory-mapped.
+
+Several distributed-optimizer instances: instance ``k > 0`` writes ``..._dp<rank>_inst<k>.pt``
+with its exact error buffers; the summed error (over all instances) is in instance 0's files.
+Expert parallelism: Megatron-LM gives each EP rank its own directory, so the dense optimizer's
+files are spread over them; the metadata is read from the lowest DP rank's file in this
+directory. A DP-size change then needs other directories' files and is refused (missing file):
+resume such runs at a new DP size from ``torch_dist``.
 """
 
 import glob
