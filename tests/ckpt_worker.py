@@ -24,6 +24,8 @@ def _torch_paths(ckpt_dir):
     from megatron.core import parallel_state as ps
 
     d = os.path.join(ckpt_dir, f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}")
+    if ps.get_expert_model_parallel_world_size() > 1:  # as megatron.training's checkpoint names
+        d += f"_{ps.get_expert_model_parallel_rank():03d}"
     os.makedirs(d, exist_ok=True)
     return os.path.join(d, "model_optim.pt"), os.path.join(d, "distrib_optim.pt")
 
@@ -36,7 +38,7 @@ def save(model, opt, fmt, ckpt_dir):
     if fmt == "torch":
         common, param_state = _torch_paths(ckpt_dir)
         opt.save_parameter_state(param_state)
-        if ps.get_data_parallel_rank() == 0:
+        if ps.get_expert_data_parallel_rank() == 0:  # one writer per directory
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, common)
         dist.barrier()
         return

@@ -45,26 +45,31 @@ class ShardChecker:
 
         state.compensator.compress = recording_compress
 
-    def check(self, model, dp_group, summed_over=None) -> float:
+    def check(self, model, dp_group, sum_group=None, summed_over=None) -> float:
         """Max of |reduced - exact| / bound over every bucket of ``model`` (one DDP chunk;
         must be <= 1); the bound includes one rounding to the gradient buffer's dtype (bf16/fp16
-        buffers). ``summed_over(bucket)``: a process group whose ranks' reduced shards of
-        this bucket megatron sums after the reduce-scatter (finalize_model_grads' embedding
+        buffers). ``dp_group``: the group the buckets reduce-scatter over; ``sum_group``
+        (default ``dp_group``): the ranks whose h the reduced shard sums (e.g. the whole DP group
+        with several distributed optimizer instances, where the shard is all-reduced across
+        instances after); ``summed_over(bucket)``: a process group whose ranks' reduced shards
+        of this bucket megatron sums after the reduce-scatter (finalize_model_grads' embedding
         all-reduce between first and last pipeline stage), or None."""
         from loco_megatron.quantization import quantize_blockwise
 
         cfg, worst = self.state.config, 0.0
         rank, world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+        sum_group = dp_group if sum_group is None else sum_group
         for group in model.bucket_groups:
             for bucket in group.buckets:
                 h = self.sent[bucket.loco_key]
                 _, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
                 half_step = (scales / 2).repeat_interleave(cfg.block_size)
                 exact, bound = h.clone(), half_step.clone()
-                dist.all_reduce(exact, group=dp_group)
-                dist.all_reduce(bound, group=dp_group)
-                if model.ddp_config.average_in_collective:  # ReduceOp.AVG
-                    exact, bound = exact / world, bound / world
+                dist.all_reduce(exact, group=sum_group)
+                dist.all_reduce(bound, group=sum_group)
+                if model.ddp_config.average_in_collective:  # ReduceOp.AVG (also across instances)
+                    n = dist.get_world_size(sum_group)
+                    exact, bound = exact / n, bound / n
                 if summed_over is not None and summed_over(bucket) is not None:
                     dist.all_reduce(exact, group=summed_over(bucket))
                     dist.all_reduce(bound, group=summed_over(bucket))

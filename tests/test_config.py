@@ -78,7 +78,6 @@ def test_preparse_reads_only_loco_flags():
     ({"use_custom_fsdp": True}, "--use-custom-fsdp"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2"),
     ({"use_distributed_optimizer": False}, "--use-distributed-optimizer"),
-    ({"num_distributed_optimizer_instances": 2}, "--num-distributed-optimizer-instances"),
     ({"ddp_reduce_scatter_with_fp32_accumulation": True},
      "--ddp-reduce-scatter-with-fp32-accumulation"),
 ])
@@ -91,6 +90,9 @@ def test_megatron_combinations_refused_at_startup(attrs, flag):
         check_megatron_args(args, LoCoConfig(bits=4))
     check_megatron_args(args, LoCoConfig(bits=16))  # LoCo off: nothing to refuse
     check_megatron_args(argparse.Namespace(**base), LoCoConfig(bits=4))
+    # several distributed-optimizer instances: LoCo inside each instance (supported)
+    check_megatron_args(argparse.Namespace(**{**base, "num_distributed_optimizer_instances": 2}),
+                        LoCoConfig(bits=4))
 
 
 def test_preparse_refuses_fsdp_before_megatron_starts():

@@ -70,7 +70,6 @@ class _DDPConfig:
 
 @pytest.mark.parametrize("attr,value,flag", [
     ("use_distributed_optimizer", False, "--use-distributed-optimizer"),
-    ("num_distributed_optimizer_instances", 2, "--num-distributed-optimizer-instances"),
     ("reduce_scatter_with_fp32_accumulation", True, "--ddp-reduce-scatter-with-fp32-accumulation"),
 ])
 def test_unsupported_ddp_configs_refused_with_flag(attr, value, flag):
@@ -79,3 +78,11 @@ def test_unsupported_ddp_configs_refused_with_flag(attr, value, flag):
     with pytest.raises(LoCoConfigError, match=flag):
         plugin.check_ddp_config(cfg)
     plugin.check_ddp_config(_DDPConfig())  # the supported configuration passes
+
+
+def test_several_distributed_optimizer_instances_accepted():
+    """LoCo compresses the reduce-scatter inside each instance; megatron-core's all-reduce
+    across instances follows (tests/test_instances_grid.py trains it)."""
+    cfg = _DDPConfig()
+    cfg.num_distributed_optimizer_instances = 2
+    plugin.check_ddp_config(cfg)

@@ -5,7 +5,8 @@ DESIGN.md §7. megatron-core writes ``device='cuda'``, ``torch.cuda.current_devi
 places. :func:`activate` makes those work on CPU:
 
 * a ``TorchFunctionMode`` maps cuda devices to cpu in factory calls and ``.to()``, makes
-  ``.cuda()`` a no-op, reports ``is_cuda`` True and ``torch.cuda.*Tensor`` type names;
+  ``.cuda()`` a no-op, reports ``is_cuda`` True and ``torch.cuda.*Tensor`` type names (also
+  inside custom autograd Functions' backward, where the engine drops modes);
 * ``torch.cuda`` queries, streams, events and memory statistics get CPU stand-ins;
 * the "CUDA" RNG is a generator of its own (:data:`CUDA_GENERATOR`), as on a GPU: the device's
   random ops (dropout, bernoulli, factories asked for a cuda device, and every random fill
@@ -24,11 +25,12 @@ events are no-ops (gloo collectives are synchronous per call).
 """
 
 import contextlib
+import functools
 import logging
 import sys
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 _TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -241,9 +243,25 @@ def activate() -> None:
         loader_init(self, *args, **kwargs)
 
     _patch(tud.DataLoader, "__init__", _loader_init)
+    _patch(torch.autograd.function.BackwardCFunction, "apply",
+           _in_mode(torch.autograd.function.BackwardCFunction.apply))
     mode = CpuAsCudaMode()
     mode.__enter__()
     _state["mode"] = mode
+
+
+def _in_mode(apply):
+    """Run a custom autograd Function's backward under the mode: the autograd engine does not
+    carry torch function modes into backward, where megatron allocates on
+    ``torch.cuda.current_device()`` too (e.g. the MoE token dispatchers' gathers)."""
+    @functools.wraps(apply)
+    def backward_apply(self, *args):
+        if _state["mode"] is None or any(isinstance(m, CpuAsCudaMode)
+                                         for m in _get_current_function_mode_stack()):
+            return apply(self, *args)
+        with CpuAsCudaMode():
+            return apply(self, *args)
+    return backward_apply
 
 
 def _counting_fork(fork):

@@ -7,9 +7,12 @@ bucket_idx_{b}`` (``ChainedOptimizer`` prefixes it like the rest):
 * ``.meta``: a ``ShardedObject`` (one per TP/PP domain) with the fingerprint, DP size, bucket
   layout and step counters (:meth:`OptimizerLoCo.meta`);
 * ``.exact.{codes,scales|values}``: each rank's error buffer under a leading DP axis,
-  ``ShardedTensor.from_rank_offsets(key, data, (0, dp_rank, dp_size), prepend_axis_num=1)``;
+  ``ShardedTensor.from_rank_offsets(key, data, (0, dp_rank, dp_size), prepend_axis_num=1)``
+  (with several distributed-optimizer instances two leading axes, instance and DP rank:
+  ``(0, instance, instances), (1, dp_rank, dp_size)``, ``prepend_axis_num=2``);
 * ``.error_sum``: the DP-summed error in the ``dp_reshardable`` index space,
-  global shape ``(numel_unpadded,)``, rank ``r`` holding ``[r * shard, (r + 1) * shard)``.
+  global shape ``(numel_unpadded,)``, rank ``r`` holding ``[r * shard, (r + 1) * shard)``
+  (summed over all instances too; instance 0 is the main replica).
 
 Which of these a load can use depends on the checkpoint (DP size, presence of LoCo state), which
 ``sharded_state_dict(is_loading=True)`` cannot see. So the load template holds only a request and
@@ -35,42 +38,56 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
     """The ``"loco"`` entry of ``view``'s optimizer sharded state dict (collective on save:
     the summed error is reduce-scattered over the DP group)."""
     m = _mapping()
-    meta_key, rank, world = f"{view.prefix}.meta", view.dp_rank, view.dp_size
+    meta_key = f"{view.prefix}.meta"
+    meta_replica = (0, view.instance, view.dp_rank)
+    grid = _grid(view)
     if is_loading:
-        request = {"active": view.state.active, "dp_rank": rank, "dp_size": world,
+        request = {"active": view.state.active, "grid": grid,
                    "buckets": {r.name: {"error_numel": r.error_numel,
                                         "stages": {p: n for p, _, n in view.stages(r)},
                                         "numel_unpadded": r.numel_unpadded,
                                         "sum_range": r.sum_range} for r in view.buckets}}
         return {REQUEST: m.LocalNonpersistentObject(request),
-                "meta": m.ShardedObject(meta_key, None, (1,), (0,), replica_id=(0, 0, rank))}
+                "meta": m.ShardedObject(meta_key, None, (1,), (0,), replica_id=meta_replica)}
     meta = view.meta()
     if not compat.supports_uneven_sharded_tensors():  # megatron-core < 0.15: exact form only
         meta["forms"] = [f for f in meta["forms"] if f != "sum"]
-    entry = {"meta": m.ShardedObject(meta_key, meta, (1,), (0,), replica_id=(0, 0, rank)),
+    entry = {"meta": m.ShardedObject(meta_key, meta, (1,), (0,), replica_id=meta_replica),
              "exact": {}, "sum": {}}
     if "exact" not in meta["forms"]:
         return entry
     for ref in view.buckets:
         base = f"{view.prefix}.{ref.name}"
         entry["exact"][ref.name] = {
-            field: m.ShardedTensor.from_rank_offsets(f"{base}.exact.{field}", t, (0, rank, world),
-                                                     replica_id=0, prepend_axis_num=1)
+            field: _exact_tensor(f"{base}.exact.{field}", t, grid)
             for field, t in view.exact(ref).items()}
         if "sum" not in meta["forms"]:
             continue
         values = view.summed_shard(ref)
         if values.numel():
             entry["sum"][ref.name] = _sum_tensor(f"{base}.error_sum", values, ref.numel_unpadded,
-                                                 ref.sum_range[0])
+                                                 ref.sum_range[0], replica_id=view.instance)
     return entry
 
 
-def _sum_tensor(key: str, data: torch.Tensor, numel_unpadded: int, start: int):
+def _grid(view: OptimizerLoCo) -> List[List[int]]:
+    """``[[rank, world], ...]`` of the exact form's leading axes: DP, or instance and DP."""
+    dp = [view.dp_rank, view.dp_size]
+    return [dp] if view.instances == 1 else [[view.instance, view.instances], dp]
+
+
+def _exact_tensor(key: str, data: torch.Tensor, grid):
+    offsets = [(axis, rank, world) for axis, (rank, world) in enumerate(grid)]
+    return _mapping().ShardedTensor.from_rank_offsets(key, data, *offsets, replica_id=0,
+                                                      prepend_axis_num=len(grid))
+
+
+def _sum_tensor(key: str, data: torch.Tensor, numel_unpadded: int, start: int,
+                replica_id: int = 0):
     return _mapping().ShardedTensor(
         key=key, data=data, dtype=data.dtype, local_shape=tuple(data.shape),
         global_shape=(numel_unpadded,), global_offset=(start,), axis_fragmentations=None,
-        replica_id=0, prepend_axis_num=0, allow_shape_mismatch=False, flattened_range=None)
+        replica_id=replica_id, prepend_axis_num=0, allow_shape_mismatch=False, flattened_range=None)
 
 
 def _requests(tree) -> Iterator[dict]:
@@ -105,15 +122,13 @@ def resolve_requests(sharded_state_dict, checkpoint_dir) -> int:
         if not req["active"]:
             continue
         entry["exact"], entry["sum"] = {}, {}
-        rank, world = req["dp_rank"], req["dp_size"]
+        grid = req["grid"]
         for name, b in req["buckets"].items():
             base = f"{prefix}.{name}"
-            exact = _saved_exact(saved, f"{base}.exact", world, b["stages"])
+            exact = _saved_exact(saved, f"{base}.exact", grid, b["stages"])
             if exact is not None:
                 entry["exact"][name] = {
-                    f: m.ShardedTensor.from_rank_offsets(
-                        f"{base}.exact.{f}", torch.empty(n, dtype=dtype), (0, rank, world),
-                        replica_id=0, prepend_axis_num=1)
+                    f: _exact_tensor(f"{base}.exact.{f}", torch.empty(n, dtype=dtype), grid)
                     for f, (dtype, n) in exact.items()}
                 continue
             sum_meta = saved.get(f"{base}.error_sum")
@@ -127,10 +142,11 @@ def resolve_requests(sharded_state_dict, checkpoint_dir) -> int:
     return len(requests)
 
 
-def _saved_exact(saved, base: str, world: int, stages: Dict[str, int]):
-    """``{field: (dtype, local numel)}`` of an exact form saved at DP size ``world`` holding
-    every error buffer of ``stages`` (``{field prefix: numel}``, :meth:`OptimizerLoCo.stages`),
-    else None."""
+def _saved_exact(saved, base: str, grid, stages: Dict[str, int]):
+    """``{field: (dtype, local numel)}`` of an exact form saved on the same grid (DP size, and
+    instances if several) holding every error buffer of ``stages`` (``{field prefix: numel}``,
+    :meth:`OptimizerLoCo.stages`), else None."""
+    worlds = [world for _, world in grid]
     out = {}
     for prefix, numel in stages.items():
         stage = f"{base}.{prefix}" if prefix else base
@@ -138,8 +154,8 @@ def _saved_exact(saved, base: str, world: int, stages: Dict[str, int]):
             metas = [saved.get(f"{stage}.{f}") for f in fields]
             if all(x is not None for x in metas):
                 shapes = [tuple(x.global_shape) for x in metas]
-                if all(len(s) == 2 and s[0] == world for s in shapes) and shapes[0][1] == numel:
-                    out.update({f"{prefix}.{f}" if prefix else f: (x.dtype, s[1])
+                if all(list(s[:-1]) == worlds for s in shapes) and shapes[0][-1] == numel:
+                    out.update({f"{prefix}.{f}" if prefix else f: (x.dtype, s[-1])
                                 for f, x, s in zip(fields, metas, shapes)})
                     break
         else:

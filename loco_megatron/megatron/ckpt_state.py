@@ -21,6 +21,12 @@ buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own
   new layout (zero elsewhere): the DP-sum is preserved up to one fp32 rounding (int8 storage
   adds its usual half step).
 
+With several distributed-optimizer instances each instance's ranks keep their own error buffers:
+the exact form has an instance axis before the DP axis, the summed form sums over all
+instances (megatron-core all-reduces the instances' reduced shards, so their errors add up) and
+is restored into instance 0. The expert optimizer of an MoE model uses the prefix
+``loco.expert_dp_group_idx_{i}`` (its own DP group: expert-DP).
+
 :func:`apply` implements the resume policy and returns the lines it logged.
 """
 
@@ -33,6 +39,7 @@ import torch.distributed as dist
 
 from ..hierarchical import INTER, INTRA
 from ..layout import BucketLayout
+from . import compat
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +89,15 @@ class OptimizerLoCo:
         self.optimizer, self.state = optimizer, state
         self.group = optimizer.data_parallel_group
         self.dp_rank, self.dp_size = self.group.rank(), self.group.size()
+        # several distributed-optimizer instances: the DP group above is this instance's;
+        # each instance's ranks keep their own error buffers
+        self.instances, self.instance, self.inter_group = compat.optimizer_instances(optimizer)
         self.domain = int(getattr(optimizer, "data_parallel_group_idx", 0))
-        self.prefix = f"loco.dp_group_idx_{self.domain}"
+        expert = any(not getattr(p, "allreduce", True)
+                     for buffer in optimizer.buffers for p in buffer.params)
+        # the expert optimizer's own name: a ChainedOptimizer does not prefix its members'
+        # keys for fully reshardable formats, where dense and expert domain 0 would collide
+        self.prefix = f"loco.{'expert_' if expert else ''}dp_group_idx_{self.domain}"
         self.buckets: List[BucketRef] = []
         #: ``--loco-hierarchical`` topology saved in ``meta`` (None: flat LoCo)
         self.hierarchy: Optional[Dict[str, int]] = None
@@ -131,8 +145,9 @@ class OptimizerLoCo:
     def meta(self) -> Dict[str, object]:
         """Plain-Python description of the saved state (same on every DP rank)."""
         cfg, steps = self.state.config, self.state.compensator.stats.steps
+        extra = {"instances": self.instances} if self.instances > 1 else {}
         return {
-            "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
+            **extra, "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
             "hierarchical": self.hierarchy,
             "fingerprint": {"bits": cfg.bits, "block_size": cfg.block_size,
                             "error_dtype": cfg.error_dtype, "beta": cfg.beta,
@@ -159,11 +174,15 @@ class OptimizerLoCo:
                 for field, t in self._error(ref, key, numel).tensors().items()}
 
     def summed_shard(self, ref: BucketRef) -> torch.Tensor:
-        """Collective over the DP group: this rank's ``sum_range`` of the DP-summed error, fp32."""
+        """Collective over the DP group (and across instances): this rank's ``sum_range`` of the
+        error summed over every DP rank of every instance, fp32 (the inter-instance all-reduce
+        adds the instances' reduced shards, so their errors add up too)."""
         layout = ref.layout
         err = self._error(ref).get().float()
         padded = torch.empty(layout.padded_shard, dtype=torch.float32, device=err.device)
         dist.reduce_scatter_tensor(padded, err, group=self.group)
+        if self.inter_group is not None:
+            dist.all_reduce(padded, group=self.inter_group)
         shard = torch.zeros(layout.shard, dtype=torch.float32, device=err.device)
         layout.from_padded_shard(padded, self.dp_rank, shard)
         start, stop = ref.sum_range
@@ -261,6 +280,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
                               f"buffers do not map onto it: error buffers reset to zero")
         return notes
     resharded, unmapped = 0, []
+    saved_instances = meta.get("instances", 1)
+    same_grid = saved_dp == view.dp_size and saved_instances == view.instances
     for ref in view.buckets:
         where = f"{source} key {view.prefix}.{ref.name}"
         entry, reason = saved.get(ref.name), None
@@ -268,8 +289,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
             reason = "not in the checkpoint"
         elif entry["numel_unpadded"] != ref.numel_unpadded or entry["params"] != ref.params():
             reason = "its parameters differ (model or --ddp-bucket-size changed)"
-        if (reason is None and exact is not None and ref.name in exact
-                and saved_dp == view.dp_size and entry["error_numel"] == ref.error_numel):
+        if (reason is None and exact is not None and ref.name in exact and same_grid
+                and entry["error_numel"] == ref.error_numel):
             for prefix, key, numel in view.stages(ref):
                 comp.restore_error(key, _stage_fields(exact[ref.name], prefix), numel,
                                    ref.bucket.grad_data.device,
@@ -285,6 +306,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
                               f"{', '.join(unmapped)}; those error buffers reset to zero")
     if resharded:
         why = (f"DP size changed {saved_dp} -> {view.dp_size}" if saved_dp != view.dp_size else
+               f"distributed-optimizer instances changed {saved_instances} -> {view.instances}"
+               if saved_instances != view.instances else
                f"bucket padding changed at DP size {saved_dp} (e.g. "
                f"--ddp-pad-buckets-for-high-nccl-busbw)")
         note(logging.WARNING, f"LoCo: {why}: {resharded} error buffers resharded from the "
@@ -315,6 +338,9 @@ def _restore_from_sum(view: OptimizerLoCo, ref: BucketRef, values, where: str) -
         raise ValueError(f"LoCo checkpoint {where}.error_sum: expected {stop - start} values "
                          f"for DP rank {view.dp_rank}, got "
                          f"{tuple(values.shape) if isinstance(values, torch.Tensor) else values}")
+    if view.instance > 0:  # the sum is over all instances: instance 0 carries it
+        view.state.compensator.reset_error(ref.key)
+        return
     device = ref.bucket.grad_data.device
     shard = torch.zeros(ref.layout.shard, dtype=torch.float32, device=device)
     shard[:stop - start] = values.to(device, torch.float32)

@@ -15,6 +15,13 @@ name and renamed, so a failed save never leaves a half-written file under the fi
 megatron only points ``latest_checkpointed_iteration.txt`` at an iteration after every rank's
 save returned. On load, a rank reads its own file (same DP size) or the files whose shards of
 the summed error overlap its new shard (DP size changed), memory-mapped.
+
+Several distributed-optimizer instances: instance ``k > 0`` writes ``..._dp<rank>_inst<k>.pt``
+with its exact error buffers; the summed error (over all instances) is in instance 0's files.
+Expert parallelism: Megatron-LM gives each EP rank its own directory, so the dense optimizer's
+files are spread over them; the metadata is read from the lowest DP rank's file in this
+directory. A DP-size change then needs other directories' files and is refused (missing file):
+resume such runs at a new DP size from ``torch_dist``.
 """
 
 import glob
@@ -23,13 +30,18 @@ import re
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from .ckpt_state import OptimizerLoCo, apply, exact_entries, validate_meta
 
 
-def sidecar_path(filename: str, index: int, dp_rank: int) -> str:
-    """Path of DP rank ``dp_rank``'s LoCo file next to megatron's ``distrib_optim.pt``."""
-    return os.path.join(os.path.dirname(filename), f"loco_state_{index}_dp{dp_rank:03d}.pt")
+def sidecar_path(filename: str, index: int, dp_rank: int, instance: int = 0) -> str:
+    """Path of DP rank ``dp_rank``'s LoCo file next to megatron's ``distrib_optim.pt``
+    (distributed-optimizer instance ``instance`` > 0: ``..._dp<rank>_inst<instance>.pt``, its
+    exact error buffers only; the summed error, over all instances, is in instance 0's files)."""
+    suffix = f"_inst{instance}" if instance else ""
+    return os.path.join(os.path.dirname(filename),
+                        f"loco_state_{index}_dp{dp_rank:03d}{suffix}.pt")
 
 
 def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
@@ -46,13 +58,15 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
         exact = {name: {k: t.detach().cpu().clone() for k, t in fields.items()}
                  for name, fields in exact_entries(view).items()}
         for ref in view.buckets if "sum" in meta["forms"] else ():
-            sums[ref.name] = {"start": ref.sum_range[0],
-                              "values": view.summed_shard(ref).detach().cpu().clone()}
+            values = view.summed_shard(ref)  # collective: every instance takes part
+            if view.instance == 0:
+                sums[ref.name] = {"start": ref.sum_range[0],
+                                  "values": values.detach().cpu().clone()}
     if view.dp_rank == 0:  # files of ranks beyond this DP size are stale (an earlier save)
         for rank, path in _rank_files(filename, index).items():
             if rank >= view.dp_size:
                 os.remove(path)
-    path = sidecar_path(filename, index, view.dp_rank)
+    path = sidecar_path(filename, index, view.dp_rank, view.instance)
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         torch.save({"meta": meta, "exact": exact, "sum": sums}, tmp)
@@ -92,13 +106,14 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
         ValueError: a truncated or malformed file (naming the file and key), or a missing file
             of a rank whose summed-error shard is needed.
     """
-    own = sidecar_path(filename, index, view.dp_rank)
-    first = sidecar_path(filename, index, 0)
+    own = sidecar_path(filename, index, view.dp_rank, view.instance)
+    leader = _first_rank_here(view, filename)
+    first = sidecar_path(filename, index, leader)
     source = os.path.dirname(filename)
     if not os.path.exists(first):
         others = _rank_files(filename, index)
         if others:
-            raise ValueError(f"LoCo checkpoint file {first} (DP rank 0's, with the metadata) is "
+            raise ValueError(f"LoCo checkpoint file {first} (DP rank {leader}'s, with the metadata) is "
                              f"missing while {os.path.basename(next(iter(others.values())))} "
                              f"exists; restore it, "
                              f"or delete every loco_state_{index}_dp*.pt to resume with zero "
@@ -108,7 +123,7 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
         return apply(view, {"observed": True}, None, None, source)
     meta = _read(first)["meta"]
     exact = sums = None
-    if meta["dp_size"] == view.dp_size:
+    if meta["dp_size"] == view.dp_size and meta.get("instances", 1) == view.instances:
         if not os.path.exists(own):
             raise ValueError(f"LoCo checkpoint file {own} is missing (saved at DP size "
                              f"{meta['dp_size']}, every rank wrote one)")
@@ -118,6 +133,16 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
     if "sum" in meta["forms"] and (exact is None or padding_changed):
         sums = _gather_sums(view, meta, filename, index)
     return apply(view, meta, exact, sums, source)
+
+
+def _first_rank_here(view: OptimizerLoCo, filename: str) -> int:
+    """Lowest DP rank whose files are next to ``filename`` (collective over the DP group).
+    Usually 0; with expert parallelism Megatron-LM gives each EP rank its own
+    ``mp_rank_XX[_YYY]_EEE`` directory, so the dense optimizer's DP group writes to several."""
+    here = os.path.abspath(os.path.dirname(filename))
+    dirs = [None] * view.dp_size
+    dist.all_gather_object(dirs, here, group=view.group)
+    return dirs.index(here)
 
 
 def _rank_files(filename: str, index: int) -> Dict[int, str]:

@@ -202,6 +202,20 @@ def init_optimizer_states_for_load(optimizer) -> None:
         opt.optimizer.zero_grad()
 
 
+def optimizer_instances(optimizer) -> tuple:
+    """``(instances, this rank's instance id, inter-instance group or None)`` of a
+    DistributedOptimizer: ``ddp_config.num_distributed_optimizer_instances``,
+    ``distributed_optimizer_instance_id`` and its first model chunk's ``inter_dist_opt_group``
+    (megatron/core/optimizer/distrib_optimizer.py and distributed/distributed_data_parallel.py,
+    0.13-0.19)."""
+    count = int(getattr(getattr(optimizer, "ddp_config", None),
+                        "num_distributed_optimizer_instances", 1) or 1)
+    if count == 1:
+        return 1, 0, None
+    return (count, int(optimizer.distributed_optimizer_instance_id),
+            optimizer.model_chunks[0].inter_dist_opt_group)
+
+
 def dist_checkpointing_mapping():
     """``megatron.core.dist_checkpointing.mapping`` (``ShardedTensor``, ``ShardedObject``,
     ``LocalNonpersistentObject``; same constructors 0.13-0.19)."""

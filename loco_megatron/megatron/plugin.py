@@ -108,11 +108,6 @@ def check_ddp_config(ddp_config) -> None:
             "--loco-bits needs the distributed optimizer (--use-distributed-optimizer): LoCo "
             "compresses the data-parallel reduce-scatter; plain DDP all-reduce is not supported yet."
         )
-    if getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
-        raise LoCoConfigError(
-            "--loco-bits does not support --num-distributed-optimizer-instances > 1 yet; "
-            "use one instance or turn LoCo off (--loco-bits 16)."
-        )
     if getattr(ddp_config, "reduce_scatter_with_fp32_accumulation", False):
         raise LoCoConfigError(
             "--loco-bits and --ddp-reduce-scatter-with-fp32-accumulation both replace the "
