@@ -107,7 +107,8 @@ def train_moe(mode: str, overlap: bool, steps: int, check_steps=(0, 3)):
             if checker is not None and step in check_steps:
                 worst["dense"] = max(worst["dense"],
                                      checker.check(model, ps.get_data_parallel_group()))
-                experts = SimpleNamespace(bucket_groups=model.expert_parallel_bucket_groups)
+                experts = SimpleNamespace(bucket_groups=model.expert_parallel_bucket_groups,
+                                          ddp_config=model.ddp_config)
                 worst["expert"] = max(worst["expert"], checker.check(experts, expert_dp_group()))
             opt.step()
             losses.append(float(loss))
