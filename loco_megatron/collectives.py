@@ -103,6 +103,17 @@ class LoCoWork:
         return self._done
 
 
+def launch(works: List, finish: Callable[[], None], comm_timer, async_op: bool):
+    """The end of every LoCo collective: with ``async_op`` a :class:`LoCoWork` over ``works``
+    (its ``wait()`` runs ``finish``), else ``finish`` now, after ``works`` (issued
+    synchronously), and None, as ``torch.distributed`` collectives return."""
+    handle = LoCoWork(works if async_op else [], finish, comm_timer)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
 class GroupWork:
     """One handle over several: what megatron-core's bucket group stores as
     ``grad_reduce_handle`` when LoCo replaced its coalesced reduce-scatters."""
@@ -198,8 +209,4 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
                                  bits=cfg.bits, average=op == dist.ReduceOp.AVG, out=output)
         decompress_timer.stop()
 
-    handle = LoCoWork(works if async_op else [], finish, comm_timer)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return launch(works, finish, comm_timer, async_op)

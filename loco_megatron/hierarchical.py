@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .collectives import TIMER_NAMES, LoCoWork, WireStats, _timer, compensated_reduce_scatter
+from .collectives import TIMER_NAMES, WireStats, _timer, compensated_reduce_scatter, launch
 from .compensator import Compensator
 from .config import LoCoConfigError
 from .layout import BucketLayout
@@ -304,11 +304,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             output.copy_(target)
         decompress_timer.stop()
 
-    handle = LoCoWork(works if async_op else [], finish, comm_timer)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return launch(works, finish, comm_timer, async_op)
 
 
 def _write(padded: torch.Tensor, layout: BucketLayout, rank: int, out: torch.Tensor,
