@@ -206,6 +206,7 @@ def activate() -> None:
         "current_stream": lambda *a, **k: _Stream(),
         "default_stream": lambda *a, **k: _Stream(),
         "stream": lambda s=None: contextlib.nullcontext(),
+        "is_current_stream_capturing": lambda: False,  # no CUDA graphs (MoE router, dynamo)
         "manual_seed": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
         "manual_seed_all": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
         "get_rng_state": lambda device="cuda": CUDA_GENERATOR.get_state(),

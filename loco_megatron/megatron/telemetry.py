@@ -132,10 +132,13 @@ def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
         mode = (f"intra-node stage {stage1}, inter-node stage {config.bits}-bit compensated"
                 if M > 1 and L > 1 else
                 f"one rank per node: flat {config.bits}-bit LoCo" if L == 1 else
-                f"one node, no inter-node link: intra-node stage {stage1} only")
+                f"one node, no inter-node link: intra-node stage {stage1} only"
+                + (" (megatron's stock reduce-scatter: nothing is compressed; launch on 2 or "
+                   "more nodes, docs/hierarchical.md)" if config.intra_node_bits == 16 else ""))
         _print_rank_0(
             f"> LoCo hierarchical: model chunk {chunk}, data-parallel group of {M * L} ranks = "
-            f"{M} nodes x {L} ranks (LOCAL_WORLD_SIZE={topo.local_world_size}): {mode}; "
+            f"{M} node{'s' if M != 1 else ''} x {L} ranks "
+            f"(LOCAL_WORLD_SIZE={topo.local_world_size}): {mode}; "
             f"{intra} bytes/step per rank intra-node, {inter} inter-node; error state {memory} "
             f"bytes per rank in memory (these replace the flat figures)")
 
