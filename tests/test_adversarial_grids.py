@@ -34,3 +34,51 @@ def test_config_file_intra_node_bits_completed_by_cli_switch(tmp_path):
     path.write_text("loco:\n  bits: 4\n  intra-node-bits: 7\n")
     with pytest.raises(LoCoConfigError, match="--loco-intra-node-bits 7"):
         _parse(["--config", str(path), "--loco-hierarchical"])
+
+
+def _hierarchical_view(intra_bits=8):
+    """An OptimizerLoCo of one bucket on 2 nodes x 2 ranks, without megatron or a process
+    group, whose three possible error buffers (flat, intra, inter) all hold values."""
+    import types
+
+    import torch
+
+    from loco_megatron.config import LoCoConfig
+    from loco_megatron.layout import BucketLayout
+    from loco_megatron.megatron.ckpt_state import BucketRef, OptimizerLoCo
+    from loco_megatron.megatron.plugin import LoCoState
+
+    state = LoCoState(LoCoConfig(bits=4, block_size=8, hierarchical=True,
+                                 intra_node_bits=intra_bits))
+    bucket = types.SimpleNamespace(grad_data=torch.zeros(64), numel_unpadded=64,
+                                   loco_param_ranges={"w": (0, 64)})
+    view = object.__new__(OptimizerLoCo)
+    view.optimizer, view.state, view.group = None, state, None
+    view.dp_rank, view.dp_size, view.instances, view.instance = 0, 4, 1, 0
+    view.inter_group, view.domain, view.prefix = None, 0, "loco.dp_group_idx_0"
+    view.hierarchy = {"nodes": 2, "per_node": 2, "intra_node_bits": intra_bits}
+    ref = BucketRef("buffer_0.bucket_0", bucket, (0, 0), BucketLayout.build(64, 4, 8), 0)
+    view.buckets = [ref]
+    for _prefix, key, numel in view.stages(ref):
+        state.compensator.set_error(key, torch.ones(numel))
+    return view
+
+
+@pytest.mark.parametrize("case", ["no_loco_state", "bits_changed", "params_changed",
+                                  "no_error_form"])
+def test_resume_resets_hierarchical_stage_buffers(case):
+    """Every resume branch that resets "the error buffers" resets the hierarchical stage
+    buffers too (not only the flat key), e.g. a reload into a process that already trained."""
+    from loco_megatron.megatron.ckpt_state import apply
+
+    view = _hierarchical_view()
+    ref = view.buckets[0]
+    meta = view.meta()
+    if case == "bits_changed":
+        meta["fingerprint"]["bits"] = 8
+    if case == "params_changed":
+        meta["buckets"][ref.name]["params"] = [[0, 32], [32, 64]]
+    apply(view, None if case == "no_loco_state" else meta, None, None, "ckpt")
+    comp = view.state.compensator
+    left = [key for _p, key, _n in view.stages(ref) if key in comp.errors]
+    assert left == [], f"{case}: stale stage error buffers kept: {left}"
