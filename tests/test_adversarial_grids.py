@@ -82,3 +82,27 @@ def test_resume_resets_hierarchical_stage_buffers(case):
     comp = view.state.compensator
     left = [key for _p, key, _n in view.stages(ref) if key in comp.errors]
     assert left == [], f"{case}: stale stage error buffers kept: {left}"
+
+
+def _uneven_nodes_worker(rank, world):
+    import torch.distributed as dist
+
+    from loco_megatron.hierarchical import group_topology
+
+    # TP2 x DP2: DP groups [0, 2] and [1, 3]; with 3 ranks per node each looks even on its own
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    try:
+        group_topology(groups[rank % 2])
+    except LoCoConfigError as e:
+        return str(e)
+    return None
+
+
+def test_world_not_filling_nodes_refused_on_every_rank():
+    """LOCAL_WORLD_SIZE=3 on 4 ranks (TP2 x DP2): refused on every rank, naming the flag, not
+    only where a DP group happens to fall unevenly."""
+    from .multiproc import run_ranks
+
+    errors = run_ranks(_uneven_nodes_worker, 4, local_world_size=3)
+    assert all(e is not None and "--loco-hierarchical" in e and "LOCAL_WORLD_SIZE=3" in e
+               for e in errors), errors
