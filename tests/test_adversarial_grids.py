@@ -106,3 +106,24 @@ def test_world_not_filling_nodes_refused_on_every_rank():
     errors = run_ranks(_uneven_nodes_worker, 4, local_world_size=3)
     assert all(e is not None and "--loco-hierarchical" in e and "LOCAL_WORLD_SIZE=3" in e
                for e in errors), errors
+
+
+def test_resume_warning_once_across_optimizer_instances(caplog):
+    """Several distributed-optimizer instances load the same checkpoint: the resume warning is
+    logged once (DP rank 0 of instance 0), not once per instance."""
+    import logging
+
+    from loco_megatron.megatron.ckpt_state import apply
+
+    lines = []
+    for instance in (0, 1):
+        view = _hierarchical_view()
+        view.instances, view.instance = 2, instance
+        meta = view.meta()
+        meta["hierarchical"] = None  # saved flat: topology changed
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="loco_megatron"):
+            notes = apply(view, meta, None, None, "ckpt")
+        assert len(notes) == 1 and "topology changed" in notes[0]
+        lines.append([r.getMessage() for r in caplog.records])
+    assert len(lines[0]) == 1 and lines[1] == [], lines

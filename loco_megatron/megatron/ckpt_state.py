@@ -189,8 +189,10 @@ class OptimizerLoCo:
         return shard[:stop - start]
 
     def log(self, level: int, message: str) -> None:
-        """Log once per DP group (on its rank 0)."""
-        if self.dp_rank == 0:
+        """Log once per DP group (on its rank 0), and with several distributed-optimizer
+        instances only in instance 0 (they load the same checkpoint: one line, not one per
+        instance)."""
+        if self.dp_rank == 0 and self.instance == 0:
             logger.log(level, message)
 
 
