@@ -140,10 +140,17 @@ def group_topology(group=None) -> NodeTopology:
     ``LOCAL_WORLD_SIZE`` (cached).
 
     Raises:
-        LoCoConfigError: ``LOCAL_WORLD_SIZE`` missing or invalid, or uneven nodes.
+        LoCoConfigError: ``LOCAL_WORLD_SIZE`` missing or invalid, the world size not a
+            multiple of it, or uneven nodes.
     """
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    return _topology(ranks, local_world_size())
+    lws, world = local_world_size(), dist.get_world_size()
+    if world % lws:  # a last node with fewer ranks: some DP groups would look even, others not
+        raise LoCoConfigError(
+            f"--loco-hierarchical: {world} ranks do not fill nodes of LOCAL_WORLD_SIZE={lws} "
+            f"ranks (node of a rank: global rank // LOCAL_WORLD_SIZE); every node must run the "
+            f"same number of ranks. Check LOCAL_WORLD_SIZE, or drop --loco-hierarchical.")
+    return _topology(ranks, lws)
 
 
 @lru_cache(maxsize=256)

@@ -189,8 +189,10 @@ class OptimizerLoCo:
         return shard[:stop - start]
 
     def log(self, level: int, message: str) -> None:
-        """Log once per DP group (on its rank 0)."""
-        if self.dp_rank == 0:
+        """Log once per DP group (on its rank 0), and with several distributed-optimizer
+        instances only in instance 0 (they load the same checkpoint: one line, not one per
+        instance)."""
+        if self.dp_rank == 0 and self.instance == 0:
             logger.log(level, message)
 
 
@@ -242,7 +244,7 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
     comp = state.compensator
     if meta is None:
         for ref in view.buckets:
-            comp.reset_error(ref.key)
+            _reset(view, ref)
         note(logging.WARNING, f"LoCo: {source} has no LoCo state (saved without LoCo); error "
                               f"buffers start from zero")
         return notes
@@ -254,7 +256,7 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
     changed = [k for k in ("bits", "block_size") if saved_fp.get(k) != getattr(cfg, k)]
     if changed:
         for ref in view.buckets:
-            comp.reset_error(ref.key)
+            _reset(view, ref)
         note(logging.WARNING, "LoCo: " + ", ".join(
             f"{k} changed {saved_fp.get(k)} -> {getattr(cfg, k)}" for k in changed)
             + f" since {source}; error buffers reset to zero")
@@ -262,7 +264,7 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
     saved_dp = meta["dp_size"]
     if view.dp_size == 1 or saved_dp == 1:
         for ref in view.buckets:
-            comp.reset_error(ref.key)
+            _reset(view, ref)
         if saved_dp != view.dp_size:
             note(logging.WARNING, f"LoCo: DP size changed {saved_dp} -> {view.dp_size} since "
                                   f"{source}; nothing is compressed at DP size 1, so "
@@ -271,9 +273,7 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         return notes
     if meta.get("hierarchical") != view.hierarchy:
         for ref in view.buckets:
-            comp.reset_error(ref.key)
-            for _, key, _ in view.stages(ref):
-                comp.reset_error(key)
+            _reset(view, ref)
         note(logging.WARNING, f"LoCo: --loco-hierarchical topology changed "
                               f"{_describe(meta.get('hierarchical'))} -> "
                               f"{_describe(view.hierarchy)} since {source}; the per-stage error "
@@ -299,7 +299,7 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
             _restore_from_sum(view, ref, sums[ref.name], where)
             resharded += 1
         else:
-            comp.reset_error(ref.key)
+            _reset(view, ref)
             unmapped.append(f"{ref.name} ({reason or 'no usable error form saved'})")
     if unmapped:
         note(logging.WARNING, f"LoCo: bucket layout of {source} cannot be mapped for "
@@ -316,6 +316,14 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get('error_dtype')} -> "
                               f"{cfg.error_dtype}; saved errors converted")
     return notes
+
+
+def _reset(view: OptimizerLoCo, ref: BucketRef) -> None:
+    """Forget every error buffer of ``ref``: the flat one and the hierarchical stages'."""
+    comp = view.state.compensator
+    comp.reset_error(ref.key)
+    for _, key, _ in view.stages(ref):
+        comp.reset_error(key)
 
 
 def _describe(hierarchy) -> str:

@@ -136,8 +136,11 @@ def config_to_argv(path: str) -> List[str]:
     for key, value in data.items():
         if key == "loco":
             fields = loco_section_to_fields(value if value is not None else {}, source)
-            try:
-                LoCoConfig(**fields)
+            try:  # each value on its own: a switch given on the command line (which wins,
+                # e.g. --loco-hierarchical for the section's intra-node-bits) may complete it;
+                # the whole configuration is checked once the arguments are parsed
+                LoCoConfig(**{**fields, "hierarchical": True} if "intra_node_bits" in fields
+                           else fields)
             except LoCoConfigError as e:
                 raise LoCoConfigError(f"{source}, loco section: {e}") from None
             for field, val in fields.items():
