@@ -90,7 +90,7 @@ def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits:
         g: the bucket's local gradient, flat ``[table.numel]`` (fp32/bf16/fp16; fp64 only with
             ``torch``). Read only.
         table: the bucket's :class:`BlockTable` (where each wire block's elements are in ``g``).
-        err: the bucket's :class:`~loco_megatron.compensator.ErrorBuffer`
+        err: the bucket's :class:`~loco_megatron.error_buffer.ErrorBuffer`
             (``table.padded_numel`` elements, same block size); updated in place.
         bits: 4 or 8.
         beta: error moving-average factor in [0, 1).
