@@ -170,7 +170,7 @@ def train(mode: str, vp, overlap: bool, steps: int, check_steps=(0, 3)):
             if checker is not None and step in check_steps:
                 for chunk in chunks:
                     worst = max(worst, checker.check(chunk, ps.get_data_parallel_group(),
-                                                     _shared_embedding_group(chunk)))
+                                                     summed_over=_shared_embedding_group(chunk)))
             opt.step()
             losses.append(sum(float(o["loss"]) for o in out) / len(out) if out else None)
         params = [{n: p.detach().clone() for n, p in c.module.named_parameters()} for c in chunks]
