@@ -8,7 +8,7 @@ implementation of its hot path (loco_megatron/kernels):
   CUDA tensors): one pass reads the bucket through its block table and updates the error buffer
   in place; it allocates the payload and the scales, then the received payload and scales;
 * ``impl="torch"`` (``--loco-kernels torch``, kernels/reference.py): plain torch ops, with
-  several fp32 temporaries of the whole padded bucket (~33 bytes per element at the peak).
+  several fp32 temporaries of the whole padded bucket (~30 bytes per element at the peak).
 
 It is the one place to update when the hot path changes; benchmarks/memory.py checks it against
 measured peaks, :func:`llama2_7b_formula` applies it to LLaMA-2-7B.
@@ -76,8 +76,17 @@ def _torch_phases(layout: BucketLayout, n: int, s: int, bits: int, grad_element_
     if beta:
         phases.append(("compress: new = beta*e + (1-beta)*err", base[:-1] + [
             ("beta*e", n * f), ("(1-beta)*err", n * f), ("NE new", n * f)]))
-    phases.append(("compress: err.set(where(...))" + (" (8-bit quantize)" if int8 else ""),
-                   base + [("W torch.where", n * f)] + (quant if int8 else [])))
+    # non-finite blocks keep their error: new = where(bad, 0, new), then the storage is written
+    # only where the block was finite (where(bad, old storage, new storage))
+    kept = (base[:-1] if beta else base) + [("B bad mask [n] bool", n), ("NE new (where)", n * f)]
+    phases.append(("compress: new = where(bad, 0, new)",
+                   base + [("B bad mask [n] bool", n), ("W torch.where", n * f)]))
+    if int8:
+        phases.append(("compress: 8-bit quantize of new", kept + quant))
+        phases.append(("compress: codes/scales = where(bad, old, new)", kept + [
+            ("C8 error codes", n), ("S8 error scales", 4 * s), ("W where codes", n)]))
+    else:
+        phases.append(("compress: values = where(bad, old, new)", kept + [("W where", n * f)]))
     if bits == 4:
         phases.append(("compress: pack_int4", base + [("int16 codes", 2 * n), ("& 0xF", 2 * n)]))
     sent = [("payload + scales sent", n * bits // 8 + 4 * s)]

@@ -130,8 +130,34 @@ class GroupWork:
 
 
 @lru_cache(maxsize=256)
-def _shard_only_layout(numel: int, world: int, block_size: int) -> BucketLayout:
+def shard_only_layout(numel: int, world: int, block_size: int) -> BucketLayout:
+    """The layout of a bucket with blocks cut at shard boundaries only (cached)."""
     return BucketLayout.build(numel, world, block_size)
+
+
+def checked_layout(output: torch.Tensor, input: torch.Tensor, op, group, block_size: int,
+                   layout: Optional[BucketLayout], nodes: str = "") -> BucketLayout:
+    """The argument checks of the LoCo reduce-scatters (flat and hierarchical): returns
+    ``layout``, or the shard-only layout when None.
+
+    Raises:
+        ValueError: an op other than SUM/AVG, sizes that do not split over the group, a layout
+            for other sizes or another block size (``nodes`` adds the topology to the message).
+    """
+    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        raise ValueError(f"LoCo reduce-scatter supports ReduceOp.SUM and AVG, not {op}")
+    world, n = dist.get_world_size(group), input.numel()
+    if n % world or output.numel() != n // world:
+        raise ValueError(
+            f"reduce-scatter sizes do not split: input {n} elements, output {output.numel()}, "
+            f"group size {world}{nodes}")
+    if layout is None:
+        return shard_only_layout(n, world, block_size)
+    if (layout.numel, layout.world, layout.block_size) != (n, world, block_size):
+        raise ValueError(
+            f"bucket layout for {layout.numel} elements / {layout.world} ranks / block "
+            f"{layout.block_size} used for {n} elements / {world} ranks / block {block_size}")
+    return layout
 
 
 def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
@@ -165,23 +191,9 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     """
     if compensator is None:
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        raise ValueError(f"LoCo reduce-scatter supports ReduceOp.SUM and AVG, not {op}")
-    world = dist.get_world_size(group)
-    n = input.numel()
-    if n % world or output.numel() != n // world:
-        raise ValueError(
-            f"reduce-scatter sizes do not split: input {n} elements, output {output.numel()}, "
-            f"group size {world}"
-        )
     cfg = compensator.config
-    if layout is None:
-        layout = _shard_only_layout(n, world, cfg.block_size)
-    elif (layout.numel, layout.world, layout.block_size) != (n, world, cfg.block_size):
-        raise ValueError(
-            f"bucket layout for {layout.numel} elements / {layout.world} ranks / block "
-            f"{layout.block_size} used for {n} elements / {world} ranks / block {cfg.block_size}"
-        )
+    layout = checked_layout(output, input, op, group, cfg.block_size, layout)
+    world, n = layout.world, layout.numel
     shard = layout.shard
     compress_timer, comm_timer, decompress_timer = (_timer(timers, n) for n in TIMER_NAMES)
     compress_timer.start()

@@ -60,6 +60,9 @@ class Compensator:
         self.errors: Dict[Hashable, ErrorBuffer] = {}
         self.stats = CompensatorStats()
         self._nonfinite: Optional[torch.Tensor] = None  # 0-dim int64 count on the device
+        #: bucket key -> 0-dim count of non-finite blocks in its latest compress (device tensor;
+        #: read by :class:`~loco_megatron.nonfinite.NonfiniteMonitor` only after a warning fired)
+        self.last_nonfinite: Dict[Hashable, torch.Tensor] = {}
         #: a :class:`~loco_megatron.metrics.StepMetrics` fed by :meth:`compress`, or None (no cost)
         self.metrics = None
 
@@ -104,10 +107,11 @@ class Compensator:
             ``(payload, scales)`` as :func:`loco_megatron.quantization.encode` gives them for the
             ``n`` padded elements: uint8 ``[n * bits / 8]``, fp32 ``[n / block_size]``.
 
-        A non-finite compensated gradient is still encoded (the reduced result is then
-        non-finite, as with stock communication, so megatron's NaN check and fp16 loss scaler
-        see it) and clears the bucket's error buffer instead of entering it
-        (:meth:`nonfinite_updates` counts these).
+        A non-finite block of the compensated gradient is still encoded (the reduced result is
+        then non-finite there, as with stock communication, so megatron's NaN check and fp16
+        loss scaler see it), but its error update is skipped: the block keeps its previous
+        error, so no NaN/inf enters the buffer (:meth:`nonfinite_updates` counts these blocks;
+        :class:`~loco_megatron.nonfinite.NonfiniteMonitor` logs a warning).
         """
         cfg = self.config
         if layout is None:
@@ -130,6 +134,7 @@ class Compensator:
             want_err_sq=self.metrics is not None)
         count = nonfinite.to(torch.int64)  # added on the device: no host sync
         self._nonfinite = count if self._nonfinite is None else self._nonfinite + count
+        self.last_nonfinite[key] = nonfinite
         if self.metrics is not None:
             self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,
                                 nonfinite)
@@ -139,8 +144,8 @@ class Compensator:
         return payload, scales
 
     def nonfinite_updates(self) -> int:
-        """Compress calls whose compensated gradient was non-finite (error buffer cleared) since
-        construction. Reads device flags: a host sync, for tests and reports only."""
+        """Blocks whose compensated gradient was non-finite (error update skipped) since
+        construction. Reads a device counter: a host sync, for tests and reports only."""
         return 0 if self._nonfinite is None else int(self._nonfinite)
 
     def error_bytes(self) -> int:
@@ -165,9 +170,7 @@ class Compensator:
                 each buffer's device and dtype.
         """
         for buf in self.errors.values():
-            for name in ("scales",) if buf.storage == "int8" else ("values",):
-                t = getattr(buf, name)
-                t.mul_(factor.reshape(()).to(device=t.device, dtype=t.dtype))
+            buf.mul_(factor)
 
     def clear_errors(self) -> None:
         """Set every error buffer to zero in place (allocations and step counters kept; no host

@@ -21,6 +21,12 @@ INTRA_NODE_BITS = (8, 16)
 MAX_BLOCK_SIZE = 65536
 
 
+#: accepted Python types per field (bool is refused where an int is expected)
+_FIELD_TYPES = {"bits": (int, type(None)), "beta": (float, int), "reset_interval": (int,),
+                "block_size": (int,), "error_dtype": (str,), "start_iter": (int,),
+                "kernels": (str,), "intra_node_bits": (int,)}  # hierarchical: its own check
+
+
 class LoCoConfigError(ValueError):
     """An invalid LoCo setting; the message names the flag and what to do."""
 
@@ -80,6 +86,13 @@ class LoCoConfig:
     buffer. Only used with ``--loco-hierarchical``."""
 
     def __post_init__(self):
+        for name, types in _FIELD_TYPES.items():  # wrong types (Python API, JSON) name the flag
+            value = getattr(self, name)
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                wanted = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+                raise LoCoConfigError(
+                    f"--loco-{'err-beta' if name == 'beta' else name.replace('_', '-')} "
+                    f"{value!r}: expected {wanted}, got {type(value).__name__}.")
         if self.bits is not None and self.bits not in COMPRESSED_BITS + FULL_PRECISION_BITS:
             raise LoCoConfigError(
                 f"--loco-bits {self.bits} is not supported: use 4 or 8 to compress, "

@@ -71,6 +71,13 @@ class ErrorBuffer:
         for t in self.tensors().values():
             t.zero_()
 
+    def mul_(self, factor: torch.Tensor) -> None:
+        """Multiply the stored error by ``factor`` (a one-element tensor, any device) in place,
+        without a host sync: int8 storage scales the per-block fp32 scales (the codes stay),
+        fp32/fp64 storage the values. Exact for powers of two while no scale leaves the range."""
+        t = self.scales if self.storage == "int8" else self.values
+        t.mul_(factor.reshape(()).to(device=t.device, dtype=t.dtype))
+
     def squared_norm(self) -> torch.Tensor:
         """0-dim ``||e||^2`` of the stored error (int8: of ``codes * scale``), on its device, in
         fp32 (fp64 for fp64 storage), within fp32 rounding; no host sync. int8 storage computes

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .collectives import TIMER_NAMES, WireStats, _timer, compensated_reduce_scatter, launch
+from .collectives import (TIMER_NAMES, WireStats, _timer, checked_layout, compensated_reduce_scatter,
+                          launch, shard_only_layout)
 from .compensator import Compensator
 from .config import LoCoConfigError
 from .layout import BucketLayout
@@ -154,11 +155,6 @@ def group_topology(group=None) -> NodeTopology:
 
 
 @lru_cache(maxsize=256)
-def _identity_layout(numel: int, world: int, block_size: int) -> BucketLayout:
-    return BucketLayout.build(numel, world, block_size)
-
-
-@lru_cache(maxsize=256)
 def _shard_layout(layout: BucketLayout, rank: int, copies: int) -> BucketLayout:
     """``copies`` chunks of ``P`` wire elements, each laid out like ``rank``'s padded shard of
     ``layout``: decompressing chunk 0 writes ``rank``'s shard through its segment table."""
@@ -214,12 +210,12 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         if stats is not None:
             stats.inter_node_bytes += stats.bytes_sent - before
         return work
-    if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        raise ValueError(f"LoCo reduce-scatter supports ReduceOp.SUM and AVG, not {op}")
-    world, n = dist.get_world_size(group), input.numel()
-    if world != M * L or n % world or output.numel() != n // world:
-        raise ValueError(f"reduce-scatter sizes do not split: input {n} elements, output "
-                         f"{output.numel()}, group size {world} ({M} nodes x {L})")
+    if dist.get_world_size(group) != M * L:
+        raise ValueError(f"group size {dist.get_world_size(group)} is not the topology's "
+                         f"{M} nodes x {L}")
+    layout = checked_layout(output, input, op, group, cfg.block_size, layout,
+                            nodes=f" ({M} nodes x {L})")
+    world, n = layout.world, layout.numel
     steps = compensator.stats.steps
     step = steps.get(key, 0)
     steps[key] = step + 1
@@ -231,12 +227,6 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             stats.stock_bytes += sent
             stats.intra_node_bytes += sent
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-    if layout is None:
-        layout = _identity_layout(n, world, cfg.block_size)
-    elif (layout.numel, layout.world, layout.block_size) != (n, world, cfg.block_size):
-        raise ValueError(f"bucket layout for {layout.numel} elements / {layout.world} ranks / "
-                         f"block {layout.block_size} used for {n} elements / {world} ranks / "
-                         f"block {cfg.block_size}")
     rank, P, bs = dist.get_rank(group), layout.padded_shard, cfg.block_size
     peers, column = topo.nodes[topo.node_of(rank)], topo.column(topo.local_of(rank))
     order = topo.stage1_order(rank)
@@ -278,7 +268,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
                 partial += rows[k]
         else:
             partial = torch.empty(M * P, dtype=torch.float32, device=output.device)
-            table = kernels.block_table(_identity_layout(L * M * P, L, bs), table_device)
+            table = kernels.block_table(shard_only_layout(L * M * P, L, bs), table_device)
             kernels.decompress_shard(impl, recv[0], recv[1], table, 0, bits=8, average=False,
                                      out=partial)
         decompress_timer.stop()

@@ -1,6 +1,6 @@
 """Blockwise symmetric absmax quantizer ``Q_b`` / ``deQ`` and 4-bit packing (torch reference).
 
-DESIGN.md §1: ``scale = absmax(block) / (2^(b-1) - 1)``,
+DESIGN.md §1: ``scale = absmax(block) / (2^(b-1) - 1)`` (at most :func:`max_scale`),
 ``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest (ties to even, as
 ``torch.round``). An all-zero block gets scale 0 and codes 0, never NaN. Scales are fp32 (wire
 overhead ``32 / block_size`` bits per element). 4-bit codes are stored as two's-complement
@@ -10,6 +10,7 @@ Works on CPU and CUDA tensors of any float dtype; all arithmetic is in fp32 (fp6
 fp64 so exact identities can be tested).
 """
 
+from functools import lru_cache
 from typing import Tuple
 
 import torch
@@ -26,6 +27,19 @@ def qmax(bits: int) -> int:
     """Largest code magnitude, ``2^(bits-1) - 1`` (7 for 4 bits, 127 for 8 bits)."""
     _check_bits(bits)
     return 2 ** (bits - 1) - 1
+
+
+@lru_cache(maxsize=None)
+def max_scale(bits: int) -> float:
+    """Largest fp32 scale whose ``qmax(bits) * scale`` is finite in fp32 (4 bits:
+    ``RN(FLT_MAX / 7)``; 8 bits: one ulp below ``RN(FLT_MAX / 127)``, whose product rounds to
+    inf). Blocks with ``|x|`` near FLT_MAX get this scale, so finite input never decodes to inf
+    (the codes then clamp at ``qmax``; the error stays within ``scale / 2`` up to rounding)."""
+    q = torch.tensor(float(qmax(bits)), dtype=torch.float32)
+    s = torch.tensor(torch.finfo(torch.float32).max, dtype=torch.float32) / q
+    while not torch.isfinite(s * q):
+        s = torch.nextafter(s, torch.zeros_like(s))
+    return float(s)
 
 
 def padded_numel(numel: int, block_size: int) -> int:
@@ -62,6 +76,9 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int) -> Tuple[tor
     # multiplication by the fp32 reciprocal (about half of all 4-bit scales one ulp off the
     # division the fused kernels do; loco_megatron/kernels promises them bit for bit)
     scales = xb.abs().amax(dim=1) / torch.full((), qmax(bits), dtype=work_dtype, device=x.device)
+    if work_dtype == torch.float32:  # |x| near FLT_MAX: a scale whose codes decode finite
+        scales = torch.where((scales > max_scale(bits)) & (scales < float("inf")),
+                             max_scale(bits), scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(xb / safe.unsqueeze(1)).clamp_(-(qmax(bits) + 1), qmax(bits))
     return codes.to(torch.int8).view(-1), scales

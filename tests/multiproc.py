@@ -1,21 +1,38 @@
 """Spawn N gloo ranks on this machine and collect each rank's return value.
 
 Usage: ``results = run_ranks(worker, world_size, *args)`` where ``worker(rank, world_size,
-*args)`` is a module-level function; each rank runs in a fresh spawned process with a gloo
-process group already initialised (file rendezvous), and what it returns (picklable) comes back
-in rank order (``backend="nccl"``: one GPU per rank). An exception on any rank fails the caller with that rank's traceback.
+*args)`` is a module-level function; each rank runs in a process forked from a fork server
+that has megatron-core imported already (:data:`PRELOAD`), with the caller's environment and a
+gloo process group already initialised (file rendezvous), and what it returns (picklable) comes
+back in rank order (``backend="nccl"``: one GPU per rank). An exception on any rank fails the
+caller with that rank's traceback.
 """
 
+import datetime
 import os
 import pickle
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None):
+#: Modules the fork server imports once per test session (megatron-core's GPT stack takes ~7 s
+#: of CPU per process to import); each rank is then forked from it already loaded.
+PRELOAD = ["torch", "torch.distributed", "megatron.core.distributed",
+           "megatron.core.models.gpt.gpt_model", "megatron.core.optimizer",
+           "megatron.core.dist_checkpointing"]
+#: ``forkserver`` (default) or ``spawn`` (``LOCO_TEST_START_METHOD``): a fresh interpreter per
+#: rank, slower, for debugging an import-order effect.
+START_METHOD = os.environ.get("LOCO_TEST_START_METHOD", "forkserver")
+
+
+def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None, env=None):
+    if env is not None:  # the fork server's environment is the one it started with
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     local = local_world_size or world_size
@@ -32,18 +49,60 @@ def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None):
         result = fn(rank, world_size, *args)
         with open(os.path.join(tmpdir, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        _exit_barrier(tmpdir, world_size)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size, *args, backend="gloo", local_world_size=None):
+def _exit_barrier(tmpdir, world_size, timeout_s=300):
+    """Wait until every rank has finished its work before any closes its gloo sockets.
+
+    Outside gloo (a FileStore): a rank that closes its connections right after the last
+    collective can reset a peer's socket before that peer has read the last message, and the
+    peer aborts ("terminate called without an active exception")."""
+    store = dist.FileStore(os.path.join(tmpdir, "exit_store"), world_size)
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    store.add("done", 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add("done", 0)) < world_size:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"exit barrier: not every rank finished within {timeout_s} s")
+        time.sleep(0.05)
+
+
+_PRELOADED = []
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+def run_ranks(fn, world_size, *args, backend="gloo", local_world_size=None, timeout_s=None):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or nccl with one GPU
     per rank); return their results. ``local_world_size``: ranks per emulated node
-    (``LOCAL_WORLD_SIZE``; default all ranks on one node)."""
+    (``LOCAL_WORLD_SIZE``; default all ranks on one node). ``timeout_s``: fail (TimeoutError,
+    ranks killed) when they have not all finished by then, instead of hanging."""
+    if START_METHOD == "forkserver" and not _PRELOADED:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload([m for m in PRELOAD if _importable(m)])
+        _PRELOADED.append(True)
     with tempfile.TemporaryDirectory() as tmpdir:
-        mp.start_processes(_entry, args=(fn, world_size, tmpdir, args, backend, local_world_size),
-                           nprocs=world_size,
-                           join=True, start_method="spawn")
+        ctx = mp.start_processes(_entry, args=(fn, world_size, tmpdir, args, backend,
+                                               local_world_size, dict(os.environ)),
+                                 nprocs=world_size, join=False, start_method=START_METHOD)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not ctx.join(timeout=None if deadline is None else 1.0):
+            if deadline is not None and time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__}: ranks still running after {timeout_s} s "
+                                   f"(a hang)")
         results = []
         for r in range(world_size):
             with open(os.path.join(tmpdir, f"result{r}.pkl"), "rb") as f:

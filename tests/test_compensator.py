@@ -79,21 +79,52 @@ def test_reset_every_interval_in_steps():
 
 
 @pytest.mark.parametrize("kernels", ["torch", "cpu"])
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_gradient_clears_error_buffer(kernels, bad):
+@pytest.mark.parametrize("storage", ["int8", "fp32"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_block_skips_its_error_update(kernels, storage, bad):
     """A non-finite h still travels (non-finite scale for its block, so the reduced gradient is
-    non-finite) and clears the bucket's error buffer instead of entering it."""
-    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK, kernels=kernels))
-    comp.compress("k", torch.randn(BLOCK * 3))
-    assert float(comp.errors["k"].squared_norm()) > 0
-    g = torch.randn(BLOCK * 3)
-    g[BLOCK + 3] = bad
-    _, scales = comp.compress("k", g)
+    non-finite there) but its block keeps the previous error bit for bit; the finite blocks
+    update exactly as if the bad element had been finite (blocks are independent)."""
+    def run(value):
+        comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK, kernels=kernels,
+                                      error_dtype=storage))
+        gen = torch.Generator().manual_seed(0)
+        comp.compress("k", torch.randn(BLOCK * 3, generator=gen))
+        before = {n: t.clone() for n, t in comp.errors["k"].tensors().items()}
+        g = torch.randn(BLOCK * 3, generator=gen)
+        g[BLOCK + 3] = value
+        _, scales = comp.compress("k", g)
+        return comp, before, scales
+
+    comp, before, scales = run(bad)
+    ref, _, _ = run(0.0)
     assert not torch.isfinite(scales[1]) and torch.isfinite(scales[[0, 2]]).all()
-    assert torch.equal(comp.errors["k"].get(), torch.zeros(BLOCK * 3))
+    assert comp.nonfinite_updates() == 1 and ref.nonfinite_updates() == 0
+    for name, t in comp.errors["k"].tensors().items():
+        rows = t.view(3, -1)
+        assert torch.equal(rows[1], before[name].view(3, -1)[1]), name  # kept
+        assert torch.equal(rows[[0, 2]], ref.errors["k"].tensors()[name].view(3, -1)[[0, 2]])
+    assert torch.isfinite(comp.errors["k"].get()).all()
+    comp.compress("k", torch.randn(BLOCK * 3))  # the next finite step updates every block
     assert comp.nonfinite_updates() == 1
-    comp.compress("k", torch.randn(BLOCK * 3))  # the next finite step updates again
-    assert float(comp.errors["k"].squared_norm()) > 0 and comp.nonfinite_updates() == 1
+
+
+def test_nonfinite_monitor_warns_once_per_new_count(caplog):
+    """The warning names the count and the bucket, and is not repeated without new blocks."""
+    from loco_megatron.nonfinite import NonfiniteMonitor
+
+    comp = Compensator(LoCoConfig(bits=4, block_size=BLOCK))
+    monitor = NonfiniteMonitor(comp)
+    comp.compress(("c", 0), torch.randn(BLOCK * 2))
+    assert monitor.poll() == 0
+    g = torch.randn(BLOCK * 2)
+    g[[0, BLOCK]] = float("nan")
+    comp.compress(("c", 0), g)
+    with caplog.at_level("WARNING", logger="loco_megatron"):
+        assert monitor.poll() == 2 and monitor.poll() == 0
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "2 quantization block(s)" in msg and "('c', 0)" in msg and "error update was skipped" in msg
 
 
 def test_layout_change_is_a_clear_error():

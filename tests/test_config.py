@@ -15,6 +15,12 @@ from loco_megatron.megatron.arguments import add_loco_args, config_from_args
     ({"block_size": 0}, "--loco-block-size"), ({"error_dtype": "fp16"}, "--loco-error-dtype"),
     ({"start_iter": -1}, "--loco-start-iter"), ({"start_iter": 1.5}, "--loco-start-iter"),
     ({"block_size": 65538}, "--loco-block-size"), ({"block_size": 10 ** 12}, "--loco-block-size"),
+    # wrong types (the Python API; flags and YAML values are converted by argparse first)
+    ({"beta": "0.8"}, "--loco-err-beta '0.8': expected float or int, got str"),
+    ({"bits": 4.0}, "--loco-bits 4.0: expected int or None, got float"),
+    ({"bits": True}, "--loco-bits True: expected int or None, got bool"),
+    ({"block_size": "256"}, "--loco-block-size '256': expected int"),
+    ({"hierarchical": 1}, "--loco-hierarchical 1: expected bool"),
 ])
 def test_invalid_values_name_the_flag(kwargs, flag):
     with pytest.raises(LoCoConfigError, match=flag):

@@ -87,15 +87,17 @@ def test_fp16_overflow_clears_and_growth_rescales(results, mode):
             assert s["post_finite"]
             if i == INF_STEP:
                 assert s["post_zero"]
-                # rank 0's buckets were non-finite (cleared by the kernel); rank 1's were
-                # finite and had updated their buffers: the hook cleared those
-                assert s["pre_nonzero"] == (rank == 1)
+                # rank 0's blocks were non-finite (they kept their previous errors: the kernel
+                # skips their update); rank 1's were finite and had updated their buffers: the
+                # hook cleared both
+                assert s["pre_nonzero"]
             else:
                 assert s["pre_nonzero"] and not s["post_zero"]
                 assert s["post_is_factor_pre"], i  # x2 at growth, untouched otherwise
         growths = sum(s["scale_after"] > s["scale_before"] for s in steps)
         assert run["rescales"] == growths == 2 and run["clears"] == 1
-        assert run["nonfinite"] == (run["buckets"] if rank == 0 else 0)
+        # counted per non-finite block: at least one in every bucket of rank 0, none on rank 1
+        assert (run["nonfinite"] >= run["buckets"]) if rank == 0 else run["nonfinite"] == 0
         # the overflow step counts as a LoCo step, as megatron.training counts the iteration
         assert run["compress"] == STEPS * run["buckets"] and run["counter_steps"] == [STEPS]
         assert run["shard_check"] <= 1.0, run["shard_check"]

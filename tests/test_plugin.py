@@ -27,11 +27,17 @@ def test_install_patches_and_uninstall_restores():
 
 
 @pytest.mark.parametrize("bits", [None, 16, 32])
-def test_full_precision_patches_nothing(bits):
+def test_full_precision_patches_no_reduce_path(bits):
+    """LoCo off: the reduce path is megatron-core's own; DDP construction only gains the
+    start-up agreement check (a rank with LoCo on next to one with it off fails there,
+    tests/test_failure_modes.py); uninstall restores both."""
     ddp, group = compat.ddp_class(), compat.bucket_group_class()
     before = (ddp.__init__, group.start_grad_sync)
     state = loco_megatron.install(LoCoConfig(bits=bits))
     assert not state.active and state.compensator is None
+    assert group.start_grad_sync is before[1]
+    assert ddp.__init__ is not before[0] and ddp.__init__.__wrapped__ is before[0]
+    loco_megatron.uninstall()
     assert (ddp.__init__, group.start_grad_sync) == before
 
 

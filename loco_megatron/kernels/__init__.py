@@ -21,10 +21,12 @@ Implementations (``--loco-kernels``, :attr:`~loco_megatron.config.LoCoConfig.ker
 
 All three give the same codes and scales bit for bit and the same error buffer (the same IEEE
 fp32 operations in the same order, no FMA contraction, round-half-to-even); the decompressed
-sums agree within fp32 rounding. A non-finite block anywhere in a bucket clears that bucket's
-error buffer (the moving average restarts from zero, as after a reset) without a host sync; the
-non-finite values still reach the reduced gradient, so megatron's NaN check and fp16 loss scaler
-see them.
+sums agree within fp32 rounding. A non-finite block (a NaN or inf in ``h = g + e``) skips its
+error update: it keeps its previous error (zero on a reset step), so no NaN/inf ever enters an
+error buffer, and it is counted on the device (no host sync); its values are still sent (the
+block's scale carries the NaN/inf), so the reduced gradient is non-finite there, as with stock
+communication, and megatron's NaN check and fp16 loss scaler see it. Finite blocks of the same
+bucket update as usual (RELIABILITY.md).
 """
 
 import os
@@ -99,7 +101,8 @@ def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits:
 
     Returns:
         ``(payload, scales, nonfinite, err_sq, buf_sq)``: uint8 ``[padded_numel * bits / 8]``,
-        fp32 ``[nblocks]``, a 0-dim bool tensor (some block non-finite: error buffer cleared),
+        fp32 ``[nblocks]``, a 0-dim int32 count of non-finite blocks (each kept its previous
+        error),
         0-dim fp64 ``||h - deQ(Q(h))||^2`` or None, and 0-dim fp64 ``||e||^2`` of the updated
         error buffer when the implementation computed it on the way (C and Triton, int8
         storage, with ``want_err_sq``) else None. All on ``g``'s device; no host sync.

@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from ..quantization import max_scale
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -90,10 +92,11 @@ def _load():
     except OSError as exc:  # a truncated or foreign file in the cache, a noexec cache dir
         return None, (f"cannot load {target} ({exc}); delete it to rebuild, or set "
                       f"LOCO_KERNEL_CACHE to another directory")
-    lib.loco_compress.restype = ctypes.c_int
+    lib.loco_compress.restype = ctypes.c_int64
     lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
-                                  ctypes.c_float, ctypes.c_int, ctypes.c_int, _P, _P]
+                                  ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                                  _P, _P]
     lib.loco_decompress.restype = ctypes.c_int
     lib.loco_decompress.argtypes = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -138,17 +141,12 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
                            _ptr(err.codes if int8 else None), _ptr(err.scales if int8 else None),
                            _ptr(None if int8 else err.values), _ptr(payload), _ptr(scales),
                            float(beta), 1.0 - float(beta), int(beta != 0), int(reset),
-                           _ptr(err_sq), _ptr(buf_sq))
+                           max_scale(bits), _ptr(err_sq), _ptr(buf_sq))
     if rc < 0:
         raise MemoryError("loco_compress: out of memory for a block workspace")
-    if rc:  # non-finite: clear, as the reference does (free on CPU: no device to sync)
-        err.zero_()
-        if err_sq is not None:
-            err_sq.zero_()
-            buf_sq.zero_()
     if buf_sq is not None and float(buf_sq) < 0:  # fp32 storage: not computed in C
         buf_sq = None
-    return payload, scales, torch.tensor(bool(rc)), err_sq, buf_sq
+    return payload, scales, torch.tensor(rc, dtype=torch.int32), err_sq, buf_sq
 
 
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):

@@ -39,18 +39,19 @@ static float clamp_code(float r, float lo, float hi) {
  * g: fp32 (or bf16 when g_bf16) bucket; src/len: block table; err: int8 codes + fp32 scale per block (err_int8) or
  * fp32 values. Writes payload (bits 4: two codes per byte, even element in the low nibble; bits
  * 8: int8 codes), scales, the error, *err_sq (sum of (h - deQ)^2, may be NULL) and *buf_sq
- * (||e||^2 of the stored int8 error, -1 for fp32 storage; may be NULL). Returns 1
- * when some block is non-finite (the caller then clears the error buffer), 0 otherwise, -1 when
- * out of memory. */
-int loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *len, int64_t nblocks,
+ * (||e||^2 of the stored int8 error, -1 for fp32 storage; may be NULL). A non-finite block
+ * (NaN/inf in h) is still encoded (its scale carries the NaN/inf) but keeps its previous error
+ * (zero on a reset step) and adds nothing to *err_sq. Returns the number of non-finite blocks,
+ * -1 when out of memory. */
+int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *len, int64_t nblocks,
                   int B, int bits, int err_int8, int8_t *ecodes, float *escales, float *evalues,
                   uint8_t *payload, float *scales, float beta, float omb, int use_beta,
-                  int reset, double *err_sq, double *buf_sq) {
+                  int reset, float smax, double *err_sq, double *buf_sq) {
   float *h = malloc(sizeof(float) * 3 * (size_t)B);
   if (!h) return -1;
   float *e = h + B, *q = h + 2 * B;
   const float qmax = (float)((1 << (bits - 1)) - 1);
-  int nonfinite = 0;
+  int64_t nonfinite = 0;
   double total = 0.0, total_buf = 0.0;
   for (int64_t b = 0; b < nblocks; b++) {
     const float *gb = (const float *)g + src[b];
@@ -73,12 +74,14 @@ int loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *
     const uint32_t abits = absmax_bits(h, B);
     const int nan = abits > 0x7F800000u;
     const float amax = bits_to_float(abits);
-    const float scale = nan ? NAN : amax / qmax;
-    if (nan || amax > FLT_MAX) nonfinite = 1;
+    const int bad = nan || amax > FLT_MAX;
+    /* smax: the largest scale whose qmax * scale is finite (quantization.max_scale) */
+    const float scale = nan ? NAN : (!bad && amax / qmax > smax ? smax : amax / qmax);
+    nonfinite += bad;
     const float safe = scale > 0.f ? scale : 1.f;
     scales[b] = scale;
     for (int i = 0; i < B; i++) q[i] = clamp_code(RNE(h[i] / safe), -qmax - 1.f, qmax);
-    if (err_sq) { /* 8 independent fp32 lanes (vectorizable), summed in fp64 per block */
+    if (err_sq && !bad) { /* 8 independent fp32 lanes (vectorizable), summed in fp64 per block */
       float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       int i = 0;
       for (; i + 8 <= B; i += 8)
@@ -106,6 +109,19 @@ int loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *
     } else {
       int8_t *p = (int8_t *)payload + off;
       for (int i = 0; i < B; i++) p[i] = (int8_t)q[i];
+    }
+    if (bad) { /* keep the previous error: cleared only by a reset */
+      if (reset && err_int8) {
+        escales[b] = 0.f;
+        for (int i = 0; i < B; i++) ecodes[off + i] = 0;
+      } else if (reset) {
+        for (int i = 0; i < B; i++) evalues[off + i] = 0.f;
+      } else if (err_int8) {
+        int32_t isum = 0;
+        for (int i = 0; i < B; i++) isum += (int32_t)ecodes[off + i] * ecodes[off + i];
+        total_buf += (double)escales[b] * (double)escales[b] * (double)isum;
+      }
+      continue;
     }
     if (err_int8) {
       const float emax = bits_to_float(absmax_bits(h, B));

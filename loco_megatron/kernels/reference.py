@@ -22,13 +22,23 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
     scales = scales.float()  # as sent: the error is measured against what peers decode
     err_now = h - dequantize_blockwise(codes, scales, block, dtype=work)
     new = beta * e_prev + (1.0 - beta) * err_now if beta else err_now
-    nonfinite = ~torch.isfinite(scales).all()
-    err.set(torch.where(nonfinite, torch.zeros((), dtype=work, device=h.device), new))
+    bad = ~torch.isfinite(scales)  # [nblocks]: a NaN/inf in h (its scale is NaN/inf)
+    bad_elem = bad.repeat_interleave(block)
     err_sq = None
-    if want_err_sq:
-        err64 = err_now.double()  # fp64 sum: the reference's telemetry is exact to fp32 terms
-        err_sq = torch.where(nonfinite, 0.0, torch.dot(err64, err64))
-    return pack_codes(codes, bits), scales, nonfinite, err_sq, None
+    if want_err_sq:  # fp64 sum of the finite blocks: the reference's telemetry is exact
+        err64 = err_now.masked_fill_(bad_elem, 0.0).double()
+        err_sq = torch.dot(err64, err64)
+        del err64
+    new = torch.where(bad_elem, torch.zeros((), dtype=work, device=h.device), new)
+    # a non-finite block keeps its previous error bit for bit: the storage is written only
+    # where the block was finite (read before it is overwritten, no copy of the buffer)
+    if err.storage == "int8":
+        e_codes, e_scales = quantize_blockwise(new, 8, block)
+        err.codes.copy_(torch.where(bad_elem, err.codes, e_codes))
+        err.scales.copy_(torch.where(bad, err.scales, e_scales))
+    else:
+        err.values.copy_(torch.where(bad_elem, err.values, new))
+    return pack_codes(codes, bits), scales, bad.sum(dtype=torch.int32), err_sq, None
 
 
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):

@@ -4,9 +4,9 @@ One program handles ``ROWS`` quantization blocks as a ``[ROWS, B/2]`` tile of ev
 elements (the two nibbles of a packed byte). Bit-exact with the torch reference
 (:mod:`.reference`): IEEE division (``div_rn``; Triton's default fp32 ``/`` is approximate on
 GPUs), no FMA contraction (``enable_fp_fusion=False``), round-half-to-even by the 1.5 * 2^23
-trick, and NaN handled explicitly (``max`` may drop NaN). Non-finite blocks raise a device flag;
-the bucket's error buffer is then cleared by a masked fill of its scales (int8 storage: the
-codes are left, a zero scale decodes them to zero) or values, without a host sync.
+trick, and NaN handled explicitly (``max`` may drop NaN). A non-finite block keeps its previous
+error (stores of the old codes/scale or values; zero on a reset step) and is counted in a device
+counter, without a host sync.
 """
 
 from typing import Optional
@@ -19,6 +19,7 @@ try:
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
+from ..quantization import max_scale
 from . import triton_interpret
 
 ROWS = 8  # blocks per program
@@ -58,7 +59,7 @@ if triton is not None:
 
     @triton.jit
     def _compress_kernel(g_ptr, src_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr, evalues_ptr,
-                         payload_ptr, scales_ptr, flag_ptr, errsq_ptr, bufsq_ptr, beta, omb,
+                         payload_ptr, scales_ptr, flag_ptr, errsq_ptr, bufsq_ptr, beta, omb, smax,
                          B: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
                          BITS: tl.constexpr, INT8_ERR: tl.constexpr, RESET: tl.constexpr,
                          USE_BETA: tl.constexpr, ERRSQ: tl.constexpr):
@@ -81,8 +82,10 @@ if triton is not None:
             eo = tl.zeros([ROWS, HALF], dtype=tl.float32)
         elif INT8_ERR:
             es = tl.load(escales_ptr + rows, mask=rmask, other=0.0)
-            ee = tl.load(ecodes_ptr + base + ev[None, :], mask=m, other=0).to(tl.float32) * es[:, None]
-            eo = tl.load(ecodes_ptr + base + od[None, :], mask=m, other=0).to(tl.float32) * es[:, None]
+            ce0 = tl.load(ecodes_ptr + base + ev[None, :], mask=m, other=0)
+            co0 = tl.load(ecodes_ptr + base + od[None, :], mask=m, other=0)
+            ee = ce0.to(tl.float32) * es[:, None]
+            eo = co0.to(tl.float32) * es[:, None]
         else:
             ee = tl.load(evalues_ptr + base + ev[None, :], mask=m, other=0.0)
             eo = tl.load(evalues_ptr + base + od[None, :], mask=m, other=0.0)
@@ -90,8 +93,9 @@ if triton is not None:
         ho = go + eo
         amax = tl.maximum(tl.max(tl.abs(he), axis=1), tl.max(tl.abs(ho), axis=1))
         nan = tl.max(((he != he) | (ho != ho)).to(tl.int32), axis=1)
-        scale = tl.where(nan > 0, float("nan"), tl.math.div_rn(amax, QMAX * 1.0))
         bad = (nan > 0) | (amax > 3.4028234663852886e38)
+        scale = tl.math.div_rn(amax, QMAX * 1.0)
+        scale = tl.where(nan > 0, float("nan"), tl.where(~bad & (scale > smax), smax, scale))
         safe = tl.where(scale > 0, scale, 1.0)[:, None]
         qe = _codes(he, safe, -QMAX - 1.0, QMAX * 1.0)
         qo = _codes(ho, safe, -QMAX - 1.0, QMAX * 1.0)
@@ -107,19 +111,28 @@ if triton is not None:
         erro = ho - qo * scale[:, None]
         if ERRSQ:
             sq = tl.sum(erre * erre, axis=1) + tl.sum(erro * erro, axis=1)
-            tl.store(errsq_ptr + rows, sq, mask=rmask)
+            tl.store(errsq_ptr + rows, tl.where(bad, 0.0, sq), mask=rmask)
         if USE_BETA:
             ne = beta * ee + omb * erre
             no = beta * eo + omb * erro
         else:
             ne = erre
             no = erro
+        keep = bad[:, None]  # a non-finite block keeps its previous error (zero after a reset)
         if INT8_ERR:
             emax = tl.maximum(tl.max(tl.abs(ne), axis=1), tl.max(tl.abs(no), axis=1))
             es2 = tl.math.div_rn(emax, 127.0)
             esafe = tl.where(es2 > 0, es2, 1.0)[:, None]
             ce = _codes(ne, esafe, -128.0, 127.0)
             co = _codes(no, esafe, -128.0, 127.0)
+            if RESET:
+                ce = tl.where(keep, 0.0, ce)
+                co = tl.where(keep, 0.0, co)
+                es2 = tl.where(bad, 0.0, es2)
+            else:
+                ce = tl.where(keep, ce0.to(tl.float32), ce)
+                co = tl.where(keep, co0.to(tl.float32), co)
+                es2 = tl.where(bad, es, es2)
             tl.store(ecodes_ptr + base + ev[None, :], ce.to(tl.int8), mask=m)
             tl.store(ecodes_ptr + base + od[None, :], co.to(tl.int8), mask=m)
             tl.store(escales_ptr + rows, es2, mask=rmask)
@@ -127,9 +140,9 @@ if triton is not None:
                 csq = tl.sum(ce * ce, axis=1) + tl.sum(co * co, axis=1)
                 tl.store(bufsq_ptr + rows, es2 * es2 * csq, mask=rmask)
         else:
-            tl.store(evalues_ptr + base + ev[None, :], ne, mask=m)
-            tl.store(evalues_ptr + base + od[None, :], no, mask=m)
-        tl.atomic_max(flag_ptr, tl.max((bad & rmask).to(tl.int32), axis=0))
+            tl.store(evalues_ptr + base + ev[None, :], tl.where(keep, ee, ne), mask=m)
+            tl.store(evalues_ptr + base + od[None, :], tl.where(keep, eo, no), mask=m)
+        tl.atomic_add(flag_ptr, tl.sum((bad & rmask).to(tl.int32), axis=0))
 
     @triton.jit
     def _decompress_kernel(payload_ptr, scales_ptr, out_ptr, src_ptr, len_ptr, nbs, first,
@@ -199,20 +212,16 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
         err.codes if int8 else dummy, err.scales if int8 else dummy,
         dummy if int8 else err.values,
         payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq, bufsq,
-        float(beta), 1.0 - float(beta),
+        float(beta), 1.0 - float(beta), max_scale(bits),
         B=table.block_size, HALF=_half(table.block_size), ROWS=ROWS, BITS=bits,
         INT8_ERR=int8, RESET=bool(reset), USE_BETA=beta != 0, ERRSQ=bool(want_err_sq),
         enable_fp_fusion=False)
-    nonfinite = flag[0] > 0
-    if int8:
-        err.scales.masked_fill_(nonfinite, 0.0)
-    else:
-        err.values.masked_fill_(nonfinite, 0.0)
+    nonfinite = flag[0]
     err_sq = buf_sq = None
     if want_err_sq:
-        err_sq = torch.where(nonfinite, 0.0, errsq.double().sum())
+        err_sq = errsq.double().sum()
         if int8:
-            buf_sq = torch.where(nonfinite, 0.0, bufsq.double().sum())
+            buf_sq = bufsq.double().sum()
     return payload, scales, nonfinite, err_sq, buf_sq
 
 

@@ -182,11 +182,16 @@ def preparse_loco_config(argv) -> LoCoConfig:
 
 def main(argv=None) -> int:
     """``python -m loco_megatron.megatron.arguments ARGS``: check the ``--loco-*`` flags (and
-    FSDP switches) of ``ARGS`` in about a second, before a launcher prepares data or starts
-    ranks; prints ``error: ...`` and returns 2 on a bad value, else returns 0 silently."""
+    FSDP switches) and the ``--data-path`` files (:mod:`loco_megatron.data.check`) of ``ARGS``
+    in about a second, before a launcher prepares data or starts ranks; prints ``error: ...``
+    and returns 2 on a bad value, else returns 0 silently."""
+    from ..data.check import DataPathError, check_data_args
+
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        preparse_loco_config(sys.argv[1:] if argv is None else argv)
-    except LoCoConfigError as e:
+        preparse_loco_config(argv)
+        check_data_args(argv)  # --data-path files: missing, truncated or corrupted .idx/.bin
+    except (LoCoConfigError, DataPathError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -67,14 +67,36 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
             if rank >= view.dp_size:
                 os.remove(path)
     path = sidecar_path(filename, index, view.dp_rank, view.instance)
+    write_atomically({"meta": meta, "exact": exact, "sum": sums}, path)
+    return path
+
+
+def write_atomically(obj, path: str) -> None:
+    """``torch.save(obj)`` to a temporary file next to ``path``, then rename it over ``path``:
+    a failed write (disk full, directory not writable, quota) leaves ``path`` as it was (an
+    earlier save's file, or none) and no partial file behind.
+
+    Raises:
+        OSError: with the original errno, naming ``path`` and what to do.
+    """
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        torch.save({"meta": meta, "exact": exact, "sum": sums}, tmp)
+        torch.save(obj, tmp)
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save's C++ writer raises RuntimeError
+        message = (f"LoCo could not write its checkpoint file {path} "
+                   f"({getattr(e, 'strerror', None) or e}): is the disk full or the checkpoint "
+                   f"directory not writable? This checkpoint is incomplete; megatron's previous "
+                   f"checkpoint (latest_checkpointed_iteration.txt) is untouched. Free space or "
+                   f"fix the permissions of --save and resume from it.")
+        errno = getattr(e, "errno", None)
+        raise (OSError(errno, message) if errno else OSError(message)) from e
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return path
+        try:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        except OSError:
+            pass
 
 
 def _read(path: str, expected_meta: Optional[dict] = None) -> Dict[str, object]:

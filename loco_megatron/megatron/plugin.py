@@ -22,12 +22,14 @@ from typing import Optional
 
 import torch
 
+from ..agreement import check_layouts_agree
 from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
 from ..hierarchical import hierarchical_reduce_scatter
 from ..compensator import Compensator
 from ..config import LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
 from ..metrics import StepMetrics
+from ..nonfinite import NonfiniteMonitor
 from . import ckpt_hooks, compat, loss_scale
 from .telemetry import log_chunk_layout, log_hierarchical_topology
 
@@ -50,12 +52,15 @@ class LoCoState:
             for the ``loco-*`` timers; None: no timers.
         loss_scale: what fp16 loss scaling did to the error buffers
             (:class:`~loco_megatron.megatron.loss_scale.LossScaleTracker`).
+        nonfinite: logs a warning when NaN/Inf gradients reached the compress kernels
+            (:class:`~loco_megatron.nonfinite.NonfiniteMonitor`; None when LoCo is off).
     """
 
     def __init__(self, config: LoCoConfig):
         self.config = config
         self.generation = next(_GENERATIONS)
         self.compensator = Compensator(config) if config.enabled else None
+        self.nonfinite = NonfiniteMonitor(self.compensator) if config.enabled else None
         self.wire = WireStats()
         self.num_chunks = 0
         self.num_buckets = 0
@@ -120,7 +125,10 @@ def _wrap_ddp_init(orig):
     def __init__(self, *args, **kwargs):
         orig(self, *args, **kwargs)
         state = _STATE
-        if state is None or not state.active:
+        if state is None:
+            return
+        if not state.active:  # LoCo off: only check that no rank of a DP group has it on
+            _check_agreement(state, self, chunk=None)
             return
         check_ddp_config(self.ddp_config)
         chunk = state.num_chunks
@@ -131,20 +139,34 @@ def _wrap_ddp_init(orig):
                 bucket.loco_param_ranges = compat.bucket_param_ranges(buffer, bucket)
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
-        groups = compat.ddp_bucket_groups(self)
+        compressed = _check_agreement(state, self, chunk)
         log_chunk_layout(chunk, state.config, [
-            (state.layout_for(bucket, group.intra_distributed_optimizer_instance_size),
-             bucket.grad_data.element_size())
-            for group in groups for bucket in group.buckets
-            if group.intra_distributed_optimizer_instance_size > 1])
+            (layout, bucket.grad_data.element_size()) for _, bucket, layout in compressed])
         if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
             log_hierarchical_topology(chunk, state.config, [
-                (group.intra_distributed_optimizer_instance_group,
-                 state.layout_for(bucket, group.intra_distributed_optimizer_instance_size),
-                 bucket.grad_data.element_size())
-                for group in groups for bucket in group.buckets
-                if group.intra_distributed_optimizer_instance_size > 1])
+                (group.intra_distributed_optimizer_instance_group, layout,
+                 bucket.grad_data.element_size()) for group, bucket, layout in compressed])
     return __init__
+
+
+def _check_agreement(state: LoCoState, ddp, chunk: Optional[int]):
+    """The ``(bucket group, bucket, layout)`` of every bucket reduce-scattered over more than
+    one rank, after checking that the ranks of each group agree on them
+    (:func:`loco_megatron.agreement.check_layouts_agree`; LoCo off: on the bits only)."""
+    groups = [group for group in compat.ddp_bucket_groups(ddp)
+              if group.intra_distributed_optimizer_instance_size > 1]
+    if not state.active:
+        check_layouts_agree(state.config, [
+            (group.intra_distributed_optimizer_instance_group, None, None, bucket.grad_data)
+            for group in groups for bucket in group.buckets])
+        return []
+    compressed = [(group, bucket, state.layout_for(
+                       bucket, group.intra_distributed_optimizer_instance_size))
+                  for group in groups for bucket in group.buckets]
+    check_layouts_agree(state.config, [  # before any compressed collective: fail fast
+        (group.intra_distributed_optimizer_instance_group, bucket.loco_key, layout,
+         bucket.grad_data) for group, bucket, layout in compressed])
+    return compressed
 
 
 def _wrap_start_grad_sync(orig):
@@ -192,6 +214,7 @@ def _wrap_start_grad_sync(orig):
             module.dist_reduce_scatter_func = saved
         if works and self.grad_reduce_handle is not None:
             self.grad_reduce_handle = GroupWork(works)
+        state.nonfinite.poll()  # NaN/Inf met by this or an earlier launch: a warning
         return result
     return start_grad_sync
 
@@ -220,7 +243,9 @@ def install(config: LoCoConfig) -> LoCoState:
     clears the error buffers, a loss-scale change rescales them). With ``config.bits``
     None, 16 or 32 the reduce path is not patched and megatron-core trains bit-for-bit as
     stock; only the checkpoint-load hooks run, to warn when a checkpoint's LoCo state is
-    ignored.
+    ignored, and DDP construction checks that no rank of a DP group has LoCo on
+    (:func:`loco_megatron.agreement.check_layouts_agree`, with LoCo on for every bucket's
+    layout: RELIABILITY.md).
 
     Returns:
         the :class:`LoCoState` (also available from :func:`get_state`).
@@ -232,10 +257,11 @@ def install(config: LoCoConfig) -> LoCoState:
     if _STATE is not None:
         raise RuntimeError("loco_megatron is already installed; call uninstall() first")
     state = LoCoState(config)
-    targets = ckpt_hooks.patches()
+    # DDP construction: with LoCo off only the bits agreement check (one all_gather_object per
+    # DP group at start-up; gradients untouched)
+    targets = ckpt_hooks.patches() + [(compat.ddp_class(), "__init__", _wrap_ddp_init)]
     if state.active:
-        targets += [(compat.ddp_class(), "__init__", _wrap_ddp_init),
-                    (compat.bucket_group_class(), "start_grad_sync", _wrap_start_grad_sync)]
+        targets += [(compat.bucket_group_class(), "start_grad_sync", _wrap_start_grad_sync)]
         targets += loss_scale.patches()  # fp16: overflow clears, scale changes rescale errors
     for owner, name, wrap in targets:
         original = getattr(owner, name)

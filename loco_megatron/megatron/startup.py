@@ -83,7 +83,7 @@ def loco_config(args) -> LoCoConfig:
 
 def prepare(argv: Optional[Sequence[str]] = None) -> bool:
     """Before Megatron starts: expand ``--config FILE`` (YAML, :mod:`.yaml_config`), check the
-    ``--loco-*`` flags, switch the CPU emulation on when there is no GPU, apply
+    ``--loco-*`` flags and the ``--data-path`` files, switch the CPU emulation on when there is no GPU, apply
     :mod:`.training_fixes`.
 
     ``argv`` None (the launch paths) means Megatron's own ``sys.argv[1:]``, expanded in place so
@@ -96,6 +96,7 @@ def prepare(argv: Optional[Sequence[str]] = None) -> bool:
     Returns:
         True when the CPU emulation is active (no GPU).
     """
+    from ..data.check import DataPathError, check_data_args
     from .arguments import preparse_loco_config
     from .yaml_config import expand_config_argv
 
@@ -106,7 +107,8 @@ def prepare(argv: Optional[Sequence[str]] = None) -> bool:
         else:
             argv = expand_config_argv(list(argv))
         preparse_loco_config(argv)  # bad --loco-* values fail before Megatron starts
-    except LoCoConfigError as e:
+        check_data_args(argv)  # and missing or damaged --data-path files
+    except (LoCoConfigError, DataPathError) as e:
         fail(e)
     from ..emulation import activate_if_no_gpu
     from . import training_fixes
