@@ -1,0 +1,8 @@
+"""``python -m loco_megatron ...``: the package's command line (:mod:`loco_megatron.cli`)."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())
