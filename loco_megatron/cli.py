@@ -41,10 +41,10 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--config", help="a YAML file of Megatron-LM flags, e.g. "
                    "configs/llama2_7b.yaml (its loco: block-size is read too)")
     for flag, typ in MODEL_FLAGS.items():
-        m.add_argument(f"--{flag}", type=typ, dest=flag)
+        m.add_argument(f"--{flag}", type=typ, dest=flag, metavar="N" if typ is int else "S")
     for flag in SWITCHES:
         m.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, dest=flag)
-    m.add_argument("--loco-block-size", type=int, dest="block-size",
+    m.add_argument("--loco-block-size", type=int, dest="block-size", metavar="N",
                    help="LoCo elements per block (default 256)")
     c = p.add_argument_group("cluster (bandwidth per direction)")
     c.add_argument("--nodes", type=int, required=True)
