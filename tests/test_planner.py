@@ -83,6 +83,7 @@ def test_bytes_are_locos_own_formulas():
     P = lay.padded_shard
     assert v["stock fp32"]["grad_bytes_sent"] == 7 * (numel // 8) * 4
     assert v["stock bf16"]["grad_bytes_sent"] == 7 * (numel // 8) * 2
+    assert v["stock fp32"]["cross_node_bytes_per_gpu"] == pytest.approx(7 * (numel // 8) * 4 / 4)
     for bits in (4, 8):
         flat = v[f"LoCo {bits}-bit flat"]
         assert flat["grad_bytes_sent"] == 7 * wire_bytes(P, bits, 256)
@@ -91,6 +92,10 @@ def test_bytes_are_locos_own_formulas():
         h16 = v[f"LoCo {bits}-bit hier. intra 16"]
         assert h16["intra_node_bytes"] == 3 * 2 * P * 4
         assert h16["inter_node_bytes"] == 1 * wire_bytes(P, bits, 256)
+        # what leaves the node per GPU: a ring's boundary load shared by L = 4 GPUs; an
+        # all-to-all's 4 remote peers of 7; the hierarchical inter-node stage
+        assert flat["cross_node_bytes_per_gpu"] == pytest.approx(flat["grad_bytes_sent"] * 4 / 7)
+        assert h16["cross_node_bytes_per_gpu"] == h16["inter_node_bytes"]
         h8 = v[f"LoCo {bits}-bit hier. intra 8"]
         cfg = LoCoConfig(bits=bits, hierarchical=True, intra_node_bits=8)
         assert (h8["intra_node_bytes"], h8["inter_node_bytes"]) == \
@@ -226,3 +231,31 @@ def test_validation_table_is_committed_and_within_bound():
     assert len(inside) >= 2
     assert all(abs(r["error_pct"]) < validate.ERROR_BOUND for r in inside)
     assert validate.markdown(rows) in (REPO / "BENCHMARKS.md").read_text()
+
+
+def _readme_commands():
+    """The ``python -m loco_megatron plan ...`` commands of README.md's planner subsection."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("### Will LoCo pay on my cluster?")[1].split("\n## ")[0]
+    blocks = [b.split("```")[0] for b in section.split("```bash\n")[1:]]
+    return section, [b.replace("\\\n", " ").split()[3:] for b in blocks]
+
+
+def test_readme_examples_are_real_runs(capsys):
+    """Every headline and table row quoted in README.md is what its command prints now (the
+    400 Gbit/s one-NIC variant is the first command with --inter-node-gbps 400)."""
+    section, commands = _readme_commands()
+    assert len(commands) == 3 and all(c[0] == "plan" for c in commands)
+    commands = [[str(REPO / a) if a.startswith("configs/") else a for a in c] for c in commands]
+    variant = [a if a != "100" else "400" for a in commands[0]]
+    for i, args in enumerate(commands + [variant]):
+        assert main(args) == 0
+        out = capsys.readouterr().out.splitlines()
+        head = out[-1].split("; the step is")[0]
+        assert head in section, head
+        rows = [r for r in out if r.startswith(("stock fp32 (ref)", "LoCo 4-bit flat"))]
+        assert len(rows) == 2
+        for row in rows if i < 2 else []:
+            cells = [c.strip() for c in row.split("  ") if c.strip()]
+            assert f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[8]} | {cells[9]} |" \
+                in section, row

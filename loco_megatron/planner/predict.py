@@ -114,6 +114,7 @@ def _variant(name, bits, hier, intra, buckets: List[Bucket], ar: Optional[GroupS
              c: ClusterSpec, opt: PlanOptions, bwd_s: float, fwd_s: float, ag: List[float]):
     elem = opt.grad_elem if bits else (4 if name.endswith("fp32") else 2)
     comm, kern_c, kern_d, sent, intra_b, inter_b, error, wire = [], [], [], 0, 0, 0, 0, []
+    cross = 0.0  # bytes per GPU that leave its node (its share of the node boundary's load)
     for b in buckets:
         bb = bucket_bytes(b, elem, bits or 4, opt.block_size, hier, intra or 16)
         g, M, L = b.group, b.group.nodes, b.group.per_node
@@ -122,10 +123,12 @@ def _variant(name, bits, hier, intra, buckets: List[Bucket], ar: Optional[GroupS
         if stock_like:
             t = ring_collective(g, c, bb.stock, allreduce=opt.stock_allreduce)
             sent += bb.stock
+            cross += bb.stock * (2 if opt.stock_allreduce else 1) / L if M > 1 else 0
             kc = kd = 0.0
         elif not hier or L == 1 or M == 1:
             flat = bb.flat if not hier or L == 1 else bb.intra  # M == 1: flat 8-bit
             t, sent = alltoall_time(g, c, flat), sent + flat
+            cross += flat * (g.size - L) / (g.size - 1) if M > 1 else 0
             kc, kd = gbytes / (opt.compress_GBps * 1e9), gbytes / (opt.decompress_GBps * 1e9)
             if not hier:
                 error, wire = error + bb.error, wire + [bb.wire]
@@ -136,6 +139,7 @@ def _variant(name, bits, hier, intra, buckets: List[Bucket], ar: Optional[GroupS
                  + alltoall_time(GroupSpread(M, M, 1), c, bb.inter))
             sent, intra_b, inter_b = sent + bb.intra + bb.inter, intra_b + bb.intra, \
                 inter_b + bb.inter
+            cross += bb.inter
             kc = (gbytes * (intra == 8) + gbytes / L) / (opt.compress_GBps * 1e9)
             kd = (gbytes + gbytes / L) / (opt.decompress_GBps * 1e9)
             error += bb.error
@@ -161,7 +165,8 @@ def _variant(name, bits, hier, intra, buckets: List[Bucket], ar: Optional[GroupS
         ag_exposed = sum(ag)
     return {"name": name, "bits": bits, "hierarchical": hier, "intra_node_bits": intra,
             "grad_elem_bytes": elem, "grad_bytes_sent": sent, "intra_node_bytes": intra_b,
-            "inter_node_bytes": inter_b, "grad_comm_ms": 1e3 * sum(comm),
+            "inter_node_bytes": inter_b, "cross_node_bytes_per_gpu": cross,
+            "grad_comm_ms": 1e3 * sum(comm),
             "compress_ms": 1e3 * compress, "decompress_ms": 1e3 * decompress,
             "grad_exposed_ms": 1e3 * exposed, "param_all_gather_ms": 1e3 * sum(ag),
             "param_all_gather_exposed_ms": 1e3 * ag_exposed,

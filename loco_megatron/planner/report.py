@@ -65,7 +65,7 @@ def header_lines(p: Dict) -> List[str]:
     return lines
 
 
-COLUMNS = ("variant", "grad bytes/GPU/step", "grad comm ms", "comp+decomp ms",
+COLUMNS = ("variant", "grad bytes/GPU/step", "of which leave the node", "grad comm ms", "comp+decomp ms",
            "exposed grad ms", "exposed param AG ms", "step ms", "ratio to stock",
            "LoCo memory/GPU")
 
@@ -81,6 +81,7 @@ def rows(p: Dict) -> List[List[str]]:
                 mem += f" + {fmt_bytes(v['transient_wire_bytes_largest_bucket'])} wire"
         ref = " (ref)" if v["name"] == p["stock_reference"] else ""
         out.append([v["name"] + ref, fmt_bytes(v["grad_bytes_sent"]),
+                    fmt_bytes(v["cross_node_bytes_per_gpu"]),
                     f"{v['grad_comm_ms']:.1f}",
                     f"{v['compress_ms'] + v['decompress_ms']:.1f}",
                     f"{v['grad_exposed_ms']:.1f}", f"{v['param_all_gather_exposed_ms']:.1f}",
@@ -98,7 +99,9 @@ def table(p: Dict) -> str:
     lines += [fmt(r) for r in cells[1:]]
     lines += ["",
               "grad bytes: sent per GPU per step in the gradient reduce-scatter (LoCo: "
-              "all-to-all codes + scales; hierarchical: intra- + inter-node stage). "
+              "all-to-all codes + scales; hierarchical: intra- + inter-node stage); leave the "
+              "node: this GPU's share of what crosses its node boundary (a ring crosses it "
+              "once per node, shared by the group's GPUs there). "
               "grad comm: all buckets' collectives back to back; exposed: what overlap does "
               "not hide. LoCo memory: error buffers + the largest bucket's send/receive "
               "buffers. All times are predictions (alpha-beta model, docs/planner.md).",
