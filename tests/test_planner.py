@@ -22,6 +22,7 @@ from loco_megatron.planner.predict import PlanOptions, plan
 from loco_megatron.quantization import wire_bytes
 
 REPO = Path(__file__).resolve().parent.parent
+LLAMA = ["plan", "--config", str(REPO / "configs/llama2_7b.yaml")]
 #: benchmarks/wire_bytes.py's tiny LLaMA-style GPT (odd sizes: megatron pads starts and ends)
 TINY = dict(num_layers=2, hidden_size=72, ffn_hidden_size=200, num_attention_heads=4,
             vocab_size=131, seq_length=16)
@@ -184,6 +185,14 @@ def test_cli_prints_table_and_json(capsys):
     assert p["expert_dp"] == 2 and p["dp"] == 16 and len(p["variants"]) == 8
 
 
+def test_data_parallel_size_one_changes_nothing(capsys):
+    assert main(LLAMA + ["--nodes", "1", "--tensor-model-parallel-size", "8", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert p["dp"] == 1 and "Data-parallel size 1" in p["headline"]
+    assert all(v["grad_bytes_sent"] == 0 and v["step_ms"] == p["compute_ms"]
+               for v in p["variants"])
+
+
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "loco_megatron", "plan", "--nodes", "2",
                         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -191,9 +200,6 @@ def test_python_dash_m_entry_point():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "stock fp32 (ref)" in r.stdout
-
-
-LLAMA = ["plan", "--config", str(REPO / "configs/llama2_7b.yaml")]
 
 
 @pytest.mark.parametrize("args,flag", [

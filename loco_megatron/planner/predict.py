@@ -120,7 +120,9 @@ def _variant(name, bits, hier, intra, buckets: List[Bucket], ar: Optional[GroupS
         g, M, L = b.group, b.group.nodes, b.group.per_node
         gbytes = b.numel * elem
         stock_like = bits is None or (hier and M == 1 and intra == 16)
-        if stock_like:
+        if g.size == 1:  # nothing to reduce: LoCo leaves megatron's (empty) path alone
+            t = kc = kd = 0.0
+        elif stock_like:
             t = ring_collective(g, c, bb.stock, allreduce=opt.stock_allreduce)
             sent += bb.stock
             cross += bb.stock * (2 if opt.stock_allreduce else 1) / L if M > 1 else 0

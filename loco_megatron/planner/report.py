@@ -24,18 +24,30 @@ def best_loco(p: Dict) -> Dict:
     return min((v for v in p["variants"] if v["bits"]), key=lambda v: v["step_ms"])
 
 
+def _ms(x: float) -> str:
+    return f"{x:.3g}" if x < 100 else f"{x:.0f}"
+
+
 def headline(p: Dict) -> str:
-    """One sentence: does LoCo pay here, and by how much (prediction)."""
-    b = best_loco(p)
-    gain = 1 - b["ratio_to_stock"]
+    """One sentence: does LoCo pay here, and by how much (prediction); with an fp32 reference
+    also what stock with a bf16 gradient reduce-scatter would give."""
+    b, ref = best_loco(p), _ref(p)
+    bf16 = next(v for v in p["variants"] if v["name"] == "stock bf16")
+    alt = ("" if ref is bf16 else
+           f" Stock with --grad-reduce-in-bf16: ratio {bf16['ratio_to_stock']:.3f}.")
+    groups = [p["dense_group"]] + ([p["expert_group"]] if p["expert_group"] else [])
+    if all(g["size"] == 1 for g in groups):
+        return ("Data-parallel size 1: no gradient is communicated, so LoCo runs megatron's "
+                "stock path and changes nothing here.")
     if b["ratio_to_stock"] < PAYS_BELOW:
-        return (f"LoCo pays: {b['name']} predicts {b['step_ms']:.0f} ms/step vs "
-                f"{_ref(p)['step_ms']:.0f} ms for {p['stock_reference']} "
-                f"(ratio {b['ratio_to_stock']:.3f}, {100 * gain:.1f}% faster; prediction).")
+        return (f"LoCo pays: {b['name']} predicts {_ms(b['step_ms'])} ms/step vs "
+                f"{_ms(ref['step_ms'])} ms for {p['stock_reference']} "
+                f"(ratio {b['ratio_to_stock']:.3f}, {100 * (1 - b['ratio_to_stock']):.1f}% "
+                f"faster; prediction).{alt}")
     return (f"LoCo does not pay here: the best variant, {b['name']}, predicts ratio "
-            f"{b['ratio_to_stock']:.3f} to {p['stock_reference']} ({_ref(p)['step_ms']:.0f} "
-            f"ms/step, of which {_ref(p)['step_exposed_comm_ms']:.0f} ms exposed communication); "
-            f"the step is compute-bound or the links are fast enough.")
+            f"{b['ratio_to_stock']:.3f} to {p['stock_reference']} ({_ms(ref['step_ms'])} "
+            f"ms/step, of which {_ms(ref['step_exposed_comm_ms'])} ms exposed communication); "
+            f"the step is compute-bound or the links are fast enough.{alt}")
 
 
 def _ref(p: Dict) -> Dict:
