@@ -15,7 +15,7 @@ from loco_megatron.config import LoCoConfig
 from loco_megatron.layout import BucketLayout
 from loco_megatron.megatron.telemetry import hierarchical_bytes_per_step
 from loco_megatron.planner import costs
-from loco_megatron.planner.buckets import buffer_buckets, bucket_bytes, gpu_buckets
+from loco_megatron.planner.buckets import buffer_buckets, gpu_buckets
 from loco_megatron.planner.cluster import GBIT, ClusterSpec, GroupSpread, ParallelSpec
 from loco_megatron.planner.model import ModelSpec
 from loco_megatron.planner.predict import PlanOptions, plan

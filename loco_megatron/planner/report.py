@@ -77,8 +77,8 @@ def header_lines(p: Dict) -> List[str]:
     return lines
 
 
-COLUMNS = ("variant", "grad bytes/GPU/step", "of which leave the node", "grad comm ms", "comp+decomp ms",
-           "exposed grad ms", "exposed param AG ms", "step ms", "ratio to stock",
+COLUMNS = ("variant", "grad bytes/GPU/step", "of which leave the node", "grad comm ms",
+           "comp+decomp ms", "exposed grad ms", "exposed param AG ms", "step ms", "ratio to stock",
            "LoCo memory/GPU")
 
 

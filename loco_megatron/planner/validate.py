@@ -86,7 +86,8 @@ def cases(report: Dict) -> List[Dict]:
             meas = lo["step_ms_median"] / s["step_ms_median"]
             comm_s = (s["all-grads-sync_ms_median"] + s["params-all-gather_ms_median"]) / 1e3
             busy = s["link_tx_bytes_per_step"] / (st["rate_check_bytes_per_s"][rate] * comm_s)
-            out.append({"rate": rate, "link_busy": busy, "in_domain": busy >= MIN_LINK_BUSY, "dp": dp, "link_gbps": link_gbps, "compute_ms": compute,
+            out.append({"rate": rate, "link_busy": busy, "in_domain": busy >= MIN_LINK_BUSY,
+                        "dp": dp, "link_gbps": link_gbps, "compute_ms": compute,
                         "pred_stock_ms": pst["step_ms"], "meas_stock_ms": s["step_ms_median"],
                         "pred_loco_ms": plo["step_ms"], "meas_loco_ms": lo["step_ms_median"],
                         "pred_ratio": pred, "meas_ratio": meas,
@@ -100,8 +101,9 @@ def cases(report: Dict) -> List[Dict]:
 
 def markdown(rows: List[Dict]) -> str:
     """The validation table (markdown), one row per case, and the largest error."""
-    lines = ["| case | link busy (stock) | compute ms (fed) | stock ms/step predicted / measured | LoCo ms/step "
-             "predicted / measured | predicted ratio LoCo/stock | measured ratio | error |",
+    lines = ["| case | link busy (stock) | compute ms (fed) | stock ms/step predicted / measured "
+             "| LoCo ms/step predicted / measured | predicted ratio LoCo/stock | measured ratio "
+             "| error |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
