@@ -46,6 +46,19 @@ def test_good_dataset_blend_and_mock_data_pass(dataset, tmp_path):
     check_data_args(["--lr", "1"])  # no data flag: nothing to check
 
 
+def test_object_storage_and_sft_paths_are_left_to_megatron(dataset, tmp_path):
+    """Prefixes megatron-core reads from S3 / the Multi-Storage Client, and --sft's JSON-lines
+    --data-path (megatron.training's SFTDataset), are not local indexed datasets: not refused;
+    a local member of the same blend still is."""
+    check_data_args(["--data-path", "s3://bucket/corpus/text_document",
+                     "--object-storage-cache-path", str(tmp_path)])
+    check_data_args(["--data-path", "0.5", "msc://profile/corpus", "0.5", dataset])
+    check_data_args(["--sft", "--data-path", str(tmp_path / "train.jsonl")])
+    missing = str(tmp_path / "nope")
+    with pytest.raises(DataPathError, match=rf"--data-path {missing}: "):
+        check_data_args(["--data-path", "0.5", "s3://bucket/corpus", "0.5", missing])
+
+
 def test_missing_prefix_names_flag_and_files(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(DataPathError) as err:
