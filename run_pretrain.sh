@@ -40,7 +40,11 @@ done
 
 user_data=0 loco_default=(--loco-bits 4)
 for a in "$@"; do
-  case "$a" in --data-path|--data-path=*|--mock-data|--train-data-path|--data-args-path) user_data=1 ;; esac
+  # (any of Megatron's data flags: with the default corpus's --data-path added, Megatron would
+  # silently train on it instead of --train/valid/test-data-path or --per-split-data-args-path)
+  case "$a" in --data-path|--data-path=*|--mock-data|--train-data-path|--train-data-path=*|\
+    --valid-data-path|--valid-data-path=*|--test-data-path|--test-data-path=*|--data-args-path|\
+    --data-args-path=*|--per-split-data-args-path|--per-split-data-args-path=*) user_data=1 ;; esac
   # Megatron's --yaml-cfg replaces the whole namespace; a default --loco-bits on the command line
   # would then count as yours and beat the YAML's loco: section.
   case "$a" in --yaml-cfg|--yaml-cfg=*) loco_default=() ;; esac

@@ -10,6 +10,7 @@ builds ``DistributedDataParallel``), every DP group gathers each rank's bucket d
 and every rank raises the same :class:`~loco_megatron.config.LoCoConfigError` on a mismatch.
 """
 
+import os
 import zlib
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -30,14 +31,19 @@ def describe(config: LoCoConfig, key: Hashable, layout: Optional[BucketLayout],
     """What the ranks of a bucket's group must agree on: bits first, then numel and dtype of
     the gradient buffer, and with LoCo on the stable bucket key, padded wire length, a CRC32
     of the block cuts (parameter boundaries) and the shared settings (:data:`SHARED_SETTINGS`).
+    With ``hierarchical``, also ``LOCAL_WORLD_SIZE`` (the node topology both stages' split
+    sizes come from: ranks that disagree would hang in the first all-to-all).
     LoCo off (``layout`` None): bits, numel and dtype only."""
     out = {"bits": config.bits if config.enabled else "off (full precision)",
            "numel": grad_data.numel(), "dtype": str(grad_data.dtype).replace("torch.", "")}
     if layout is None:
         return out
     cuts = repr(layout.segments).encode()
-    return {**out, "bucket": str(key), **{name: getattr(config, name) for name in SHARED_SETTINGS},
-            "padded_shard": layout.padded_shard, "block_cuts_crc32": zlib.crc32(cuts)}
+    out = {**out, "bucket": str(key), **{name: getattr(config, name) for name in SHARED_SETTINGS},
+           "padded_shard": layout.padded_shard, "block_cuts_crc32": zlib.crc32(cuts)}
+    if config.hierarchical:  # the node topology sets both stages' split sizes on every rank
+        out["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE")
+    return out
 
 
 def check_layouts_agree(config: LoCoConfig,

@@ -29,6 +29,15 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core.distributed",
 START_METHOD = os.environ.get("LOCO_TEST_START_METHOD", "forkserver")
 
 
+def start_method(backend: str) -> str:
+    """How ranks of ``backend`` start: NCCL ranks are always spawned. Importing :data:`PRELOAD`
+    calls ``torch.cuda.is_available()`` (megatron-core's dist_checkpointing, torch's
+    cpp_extension), i.e. ``cudaGetDeviceCount``, which initialises the CUDA driver in the fork
+    server: on a GPU machine every rank forked from it would then fail to use CUDA (torch's
+    "poison fork", see ``torch.cuda.is_available``)."""
+    return "spawn" if backend == "nccl" else START_METHOD
+
+
 def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None, env=None):
     if env is not None:  # the fork server's environment is the one it started with
         os.environ.clear()
@@ -87,7 +96,8 @@ def run_ranks(fn, world_size, *args, backend="gloo", local_world_size=None, time
     per rank); return their results. ``local_world_size``: ranks per emulated node
     (``LOCAL_WORLD_SIZE``; default all ranks on one node). ``timeout_s``: fail (TimeoutError,
     ranks killed) when they have not all finished by then, instead of hanging."""
-    if START_METHOD == "forkserver" and not _PRELOADED:
+    method = start_method(backend)
+    if method == "forkserver" and not _PRELOADED:
         import multiprocessing
 
         multiprocessing.set_forkserver_preload([m for m in PRELOAD if _importable(m)])
@@ -95,7 +105,7 @@ def run_ranks(fn, world_size, *args, backend="gloo", local_world_size=None, time
     with tempfile.TemporaryDirectory() as tmpdir:
         ctx = mp.start_processes(_entry, args=(fn, world_size, tmpdir, args, backend,
                                                local_world_size, dict(os.environ)),
-                                 nprocs=world_size, join=False, start_method=START_METHOD)
+                                 nprocs=world_size, join=False, start_method=method)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not ctx.join(timeout=None if deadline is None else 1.0):
             if deadline is not None and time.monotonic() > deadline:

@@ -91,3 +91,26 @@ def test_nonfinite_gradient_skips_the_error_update_of_its_block(storage):
                         t = t.view(nblocks, -1)[keep] if t.numel() != nblocks else t[keep]
                         old = old.view(nblocks, -1)[keep] if old.numel() != nblocks else old[keep]
                     assert not torch.equal(t, old), (rank, step, key, name)  # updated
+
+
+def test_hierarchical_ranks_with_different_local_world_size_disagree(monkeypatch):
+    """--loco-hierarchical takes the node topology (both stages' split sizes) from each rank's
+    LOCAL_WORLD_SIZE: ranks that read different values would hang in the first all-to-all
+    (reproduced with 4 ranks, LOCAL_WORLD_SIZE 2, 2, 4, 4), so the start-up descriptions must
+    differ there; flat LoCo does not depend on it."""
+    from loco_megatron.agreement import _first_difference, describe
+    from loco_megatron.config import LoCoConfig
+    from loco_megatron.layout import BucketLayout
+
+    layout = BucketLayout.build(4 * 640, 4, 64)
+    grad = torch.zeros(4 * 640)
+    rows = {}
+    for hierarchical in (True, False):
+        cfg = LoCoConfig(bits=4, block_size=64, hierarchical=hierarchical)
+        for lws in ("2", "4"):
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", lws)
+            rows[hierarchical, lws] = [describe(cfg, (0, 0, 0), layout, grad)]
+    problem = _first_difference([rows[True, "2"], rows[True, "4"]], [0, 2])
+    assert problem == ("bucket (0, 0, 0) (#0 in the group), LOCAL_WORLD_SIZE: global rank 0 has "
+                       "'2', global rank 2 has '4'"), problem
+    assert _first_difference([rows[False, "2"], rows[False, "4"]], [0, 2]) == ""

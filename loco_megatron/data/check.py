@@ -16,6 +16,9 @@ import warnings
 from typing import Iterable, List
 
 DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path")
+#: prefixes megatron-core reads from object storage (``megatron.core.datasets.object_storage_utils``
+#: ``is_object_storage_path``: S3 and the Multi-Storage Client), not from the local filesystem
+REMOTE_SCHEMES = ("s3://", "msc://")
 FIX = ("--data-path takes the prefix of a Megatron indexed dataset (PREFIX.bin + PREFIX.idx, "
        "without the extension): build one with `python -m loco_megatron.data.prepare` or "
        "Megatron-LM's tools/preprocess_data.py, or drop --data-path to train on the default "
@@ -89,13 +92,17 @@ def check_prefix(flag: str, prefix: str) -> None:
 
 
 def check_data_args(argv: Iterable[str]) -> None:
-    """Check every dataset prefix of ``argv`` (a no-op with ``--mock-data`` or no data flag).
+    """Check every local dataset prefix of ``argv`` (a no-op with ``--mock-data``, with
+    ``--sft``, whose ``--data-path`` names a JSON-lines file that megatron.training's
+    ``SFTDataset`` reads, or with no data flag; object-storage prefixes, :data:`REMOTE_SCHEMES`,
+    are left to megatron-core).
 
     Raises:
         DataPathError: a prefix with a missing, truncated or corrupted ``.idx`` / ``.bin``.
     """
     argv = list(argv)
-    if "--mock-data" in argv:
+    if "--mock-data" in argv or "--sft" in argv:
         return
     for flag, prefix in prefixes(argv):
-        check_prefix(flag, prefix)
+        if not prefix.startswith(REMOTE_SCHEMES):
+            check_prefix(flag, prefix)

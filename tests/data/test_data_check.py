@@ -46,6 +46,19 @@ def test_good_dataset_blend_and_mock_data_pass(dataset, tmp_path):
     check_data_args(["--lr", "1"])  # no data flag: nothing to check
 
 
+def test_object_storage_and_sft_paths_are_left_to_megatron(dataset, tmp_path):
+    """Prefixes megatron-core reads from S3 / the Multi-Storage Client, and --sft's JSON-lines
+    --data-path (megatron.training's SFTDataset), are not local indexed datasets: not refused;
+    a local member of the same blend still is."""
+    check_data_args(["--data-path", "s3://bucket/corpus/text_document",
+                     "--object-storage-cache-path", str(tmp_path)])
+    check_data_args(["--data-path", "0.5", "msc://profile/corpus", "0.5", dataset])
+    check_data_args(["--sft", "--data-path", str(tmp_path / "train.jsonl")])
+    missing = str(tmp_path / "nope")
+    with pytest.raises(DataPathError, match=rf"--data-path {missing}: "):
+        check_data_args(["--data-path", "0.5", "s3://bucket/corpus", "0.5", missing])
+
+
 def test_missing_prefix_names_flag_and_files(tmp_path):
     missing = str(tmp_path / "nope")
     with pytest.raises(DataPathError) as err:
@@ -89,3 +102,23 @@ def test_launcher_check_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: --data-path {missing}: {missing}.idx and ")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+@pytest.mark.parametrize("flags", [["--train-data-path={p}"], ["--valid-data-path", "{p}"],
+                                   ["--per-split-data-args-path", "{json}"]])
+def test_launcher_keeps_per_split_data_flags(dataset, tmp_path, flags):
+    """run_pretrain.sh adds its default corpus (--data-path) only when no data flag is given:
+    Megatron prefers --data-path, so adding it next to --train/valid/test-data-path (any
+    spelling) or --per-split-data-args-path would silently train on the default corpus."""
+    split_json = tmp_path / "splits.json"
+    split_json.write_text(f'{{"train": ["{dataset}"], "valid": ["{dataset}"], '
+                          f'"test": ["{dataset}"]}}')
+    argv = [f.format(p=dataset, json=split_json) for f in flags]
+    env = dict(os.environ, LOCO_DRY_RUN="1", GPUS_PER_NODE="0", OUT_DIR=str(tmp_path / "run"))
+    proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "preparing the default corpus" not in proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert " --data-path " not in line and line.endswith(" ".join(argv)), line
