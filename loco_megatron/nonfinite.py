@@ -18,31 +18,35 @@ logger = logging.getLogger(__name__)
 
 
 class NonfiniteMonitor:
-    """Log a warning each time the count of non-finite blocks has grown since the last report.
+    """Log a warning when non-finite blocks were counted, at the 1st, 2nd, 4th, 8th, ... step
+    that had any (fp16 dynamic loss scaling overflows routinely: no flood).
 
     Args:
         compensator: the rank's :class:`~loco_megatron.compensator.Compensator`.
 
     Call :meth:`poll` after each bucket group's reduce-scatter was launched
-    (:mod:`loco_megatron.megatron.plugin` does); it returns the new count it reported, or 0.
+    (:mod:`loco_megatron.megatron.plugin` does); it returns the blocks newly counted, or 0.
     """
 
     def __init__(self, compensator):
         self.compensator = compensator
-        self.reported = 0
+        self.counted = 0  # blocks seen so far
+        self.steps = 0  # optimizer steps in which some block was non-finite
+        self._unreported = 0
+        self._last_step = None
         self._host: Optional[torch.Tensor] = None
         self._event = None
 
     def poll(self) -> int:
-        """Report the blocks counted since the last report (a warning), return how many."""
+        """Count the blocks since the last poll; warn on the 1st, 2nd, 4th, ... such step."""
         counter = self.compensator._nonfinite
         if counter is None:
             return 0
         if counter.device.type != "cuda":
-            return self._report(int(counter))
+            return self._count(int(counter))
         seen = 0
         if self._event is not None and self._event.query():
-            seen = self._report(int(self._host))
+            seen = self._count(int(self._host))
             self._event = None
         if self._event is None:  # snapshot the counter for a later poll
             if self._host is None:
@@ -52,11 +56,22 @@ class NonfiniteMonitor:
             self._event.record()
         return seen
 
-    def _report(self, total: int) -> int:
-        new = total - self.reported
+    def _count(self, total: int) -> int:
+        new = total - self.counted
         if new <= 0:
             return 0
-        self.reported = total
+        self.counted = total
+        self._unreported += new
+        step = max(self.compensator.stats.steps.values(), default=0)
+        if step == self._last_step:
+            return new  # this step was reported (or skipped) already: counted for the next
+        self._last_step = step
+        self.steps += 1
+        if self.steps & (self.steps - 1) == 0:  # 1, 2, 4, 8, ...
+            self._warn()
+        return new
+
+    def _warn(self) -> None:
         buckets = sorted(str(k) for k, c in self.compensator.last_nonfinite.items()
                          if int(c) > 0)  # host reads only now that a warning fires
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -64,7 +79,11 @@ class NonfiniteMonitor:
             "LoCo: %d quantization block(s) of the compensated gradient on rank %d held NaN/Inf "
             "(buckets %s); their error update was skipped (they keep their previous error: no "
             "NaN/Inf entered an error buffer). They were sent as they are, so the reduced "
-            "gradient holds NaN/Inf there: megatron's --check-for-nan-in-loss-and-grad (on by "
-            "default) stops on such gradients before LoCo runs.",
-            new, rank, ", ".join(buckets) or "of an earlier step")
-        return new
+            "gradient holds NaN/Inf there. Steps with NaN/Inf so far: %d (%d blocks); this "
+            "warning repeats at the 1st, 2nd, 4th, 8th, ... such step. Expected with --fp16 "
+            "dynamic loss scaling (megatron skips overflow steps, LoCo clears its error "
+            "buffers); otherwise megatron's --check-for-nan-in-loss-and-grad stops on such "
+            "gradients before LoCo runs.",
+            self._unreported, rank, ", ".join(buckets) or "of an earlier step", self.steps,
+            self.counted)
+        self._unreported = 0

@@ -125,6 +125,16 @@ def test_nonfinite_monitor_warns_once_per_new_count(caplog):
     assert len(caplog.records) == 1
     msg = caplog.records[0].getMessage()
     assert "2 quantization block(s)" in msg and "('c', 0)" in msg and "error update was skipped" in msg
+    # later steps: warned at the 2nd, 4th and 8th step with NaN (fp16 overflows: no flood),
+    # each warning counting the blocks since the previous one
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="loco_megatron"):
+        for _ in range(8):
+            comp.compress(("c", 0), g)
+            monitor.poll()
+    assert [r.getMessage().split(" quantization")[0] for r in caplog.records] == [
+        "LoCo: 2", "LoCo: 4", "LoCo: 8"]
+    assert "Steps with NaN/Inf so far: 8 (16 blocks)" in caplog.records[-1].getMessage()
 
 
 def test_layout_change_is_a_clear_error():
