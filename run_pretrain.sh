@@ -83,6 +83,8 @@ model_args=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-lengt
             --weight-decay 0.1 --clip-grad 1.0 --seed 1234 --use-distributed-optimizer
             --log-interval 10 --eval-interval 100 --eval-iters 10 --tensorboard-dir "$OUT_DIR/tensorboard"
             ${loco_default[@]+"${loco_default[@]}"})
+# A run shorter than the learning-rate warm-up fails here in a line, not in Megatron's assertion.
+"$PY" -m loco_megatron.megatron.schedule "${model_args[@]}" "$@" || exit 2
 launch=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
         --nproc-per-node "$NPROC" --master-addr "${MASTER_ADDR:-127.0.0.1}"
         --master-port "${MASTER_PORT:-29517}"

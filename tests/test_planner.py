@@ -265,3 +265,19 @@ def test_readme_examples_are_real_runs(capsys):
             cells = [c.strip() for c in row.split("  ") if c.strip()]
             assert f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[8]} | {cells[9]} |" \
                 in section, row
+
+
+def test_headline_points_to_bf16_when_it_is_as_fast(capsys):
+    """When stock with a bf16 reduce-scatter is predicted at least as fast as the best LoCo
+    variant, the headline says so (the free option first), whatever LoCo's own ratio."""
+    assert main(["plan", "--config", str(REPO / "configs/tiny_cpu.yaml"), "--nodes", "1",
+                 "--gpus-per-node", "2", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    ratios = {v["name"]: v["ratio_to_stock"] for v in p["variants"]}
+    best = min(r for n, r in ratios.items() if n.startswith("LoCo"))
+    assert ratios["stock bf16"] <= best
+    assert main(["plan", "--config", str(REPO / "configs/tiny_cpu.yaml"), "--nodes", "1",
+                 "--gpus-per-node", "2"]) == 0
+    head = capsys.readouterr().out.splitlines()[-1]
+    assert f"stock with --grad-reduce-in-bf16 is predicted as fast or faster (ratio " \
+           f"{ratios['stock bf16']:.3f}" in head

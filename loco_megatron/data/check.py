@@ -11,6 +11,7 @@ through ``python -m loco_megatron.megatron.arguments``.
 """
 
 import argparse
+import logging
 import os
 import warnings
 from typing import Iterable, List
@@ -70,25 +71,39 @@ def check_prefix(flag: str, prefix: str) -> None:
         raise DataPathError(f"{flag} {prefix}: {' and '.join(missing)} not found{hint}. {FIX}.")
     import numpy
 
-    with warnings.catch_warnings():  # megatron-core's import-time notes (no TE/apex on CPU)
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets.indexed_dataset import _IndexReader
+    # megatron-core's import-time notes (no TE/apex, no CUDA runtime on CPU) and its "could not
+    # determine rank" warning would bury the one line this check prints
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level, quiet.level = quiet.level, logging.ERROR
     try:
-        index = _IndexReader(idx, multimodal=False)
-        n = len(index.sequence_lengths)
-        end = 0 if n == 0 else int(index.sequence_pointers[-1]) + \
-            int(index.sequence_lengths[-1]) * numpy.dtype(index.dtype).itemsize
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.indexed_dataset import _IndexReader
+
+            index = _IndexReader(idx, multimodal=False)
+            n = len(index.sequence_lengths)
+            end = 0 if n == 0 else int(index.sequence_pointers[-1]) + \
+                int(index.sequence_lengths[-1]) * numpy.dtype(index.dtype).itemsize
     except Exception as e:  # AssertionError (header/version), ValueError (short buffer), ...
         raise DataPathError(
             f"{flag} {prefix}: {idx} is not a readable Megatron index file ({type(e).__name__}: "
-            f"{e}); it is truncated or corrupted. Rebuild the dataset (delete the cache directory "
-            f"of `python -m loco_megatron.data.prepare`, which rebuilds it), or restore the "
-            f"file.") from e
+            f"{e}); it is truncated or corrupted. {_rebuild()}") from e
+    finally:
+        quiet.setLevel(level)
     size = os.path.getsize(bin_)
     if end > size:
         raise DataPathError(f"{flag} {prefix}: {bin_} holds {size} bytes but {idx} points to "
-                            f"{end}: the .bin file is truncated or belongs to another index; "
-                            f"rebuild the dataset.")
+                            f"{end}: the .bin file is truncated, or the .idx (its token dtype "
+                            f"or pointers) does not belong to it. {_rebuild()}")
+
+
+def _rebuild() -> str:
+    from .cache import default_cache_root
+
+    return (f"Rebuild the dataset: the default corpus by deleting {default_cache_root()} "
+            f"(run_pretrain.sh prepares it again), your own data with Megatron-LM's "
+            f"tools/preprocess_data.py or `python -m loco_megatron.data.prepare`; or restore "
+            f"the files.")
 
 
 def check_data_args(argv: Iterable[str]) -> None:

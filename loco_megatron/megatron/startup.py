@@ -98,6 +98,7 @@ def prepare(argv: Optional[Sequence[str]] = None) -> bool:
     """
     from ..data.check import DataPathError, check_data_args
     from .arguments import preparse_loco_config
+    from .schedule import ScheduleError, check_lr_schedule
     from .yaml_config import expand_config_argv
 
     try:
@@ -107,8 +108,9 @@ def prepare(argv: Optional[Sequence[str]] = None) -> bool:
         else:
             argv = expand_config_argv(list(argv))
         preparse_loco_config(argv)  # bad --loco-* values fail before Megatron starts
+        check_lr_schedule(argv)  # a run shorter than its learning-rate warm-up
         check_data_args(argv)  # and missing or damaged --data-path files
-    except (LoCoConfigError, DataPathError) as e:
+    except (LoCoConfigError, DataPathError, ScheduleError) as e:
         fail(e)
     from ..emulation import activate_if_no_gpu
     from . import training_fixes

@@ -39,6 +39,9 @@ def headline(p: Dict) -> str:
     if all(g["size"] == 1 for g in groups):
         return ("Data-parallel size 1: no gradient is communicated, so LoCo runs megatron's "
                 "stock path and changes nothing here.")
+    if ref is not bf16 and b["ratio_to_stock"] >= bf16["ratio_to_stock"]:
+        alt = (f" But stock with --grad-reduce-in-bf16 is predicted as fast or faster (ratio "
+               f"{bf16['ratio_to_stock']:.3f}, no compression): try that first.")
     if b["ratio_to_stock"] < PAYS_BELOW:
         return (f"LoCo pays: {b['name']} predicts {_ms(b['step_ms'])} ms/step vs "
                 f"{_ms(ref['step_ms'])} ms for {p['stock_reference']} "
