@@ -47,7 +47,8 @@ def describe(config: LoCoConfig, key: Hashable, layout: Optional[BucketLayout],
 
 
 def check_layouts_agree(config: LoCoConfig,
-                        buckets: Sequence[Tuple[object, Hashable, BucketLayout, torch.dtype]]
+                        buckets: Sequence[Tuple[object, Optional[Hashable],
+                                                Optional[BucketLayout], torch.Tensor]]
                         ) -> None:
     """Collective over each DP group in ``buckets``: raise on every rank if any disagree.
 

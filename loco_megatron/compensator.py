@@ -143,6 +143,13 @@ class Compensator:
         self.stats.calls += 1
         return payload, scales
 
+    @property
+    def nonfinite_count(self) -> Optional[torch.Tensor]:
+        """0-dim int64 device tensor: non-finite blocks since construction (None before the
+        first compress); reading it is the caller's host sync
+        (:class:`~loco_megatron.nonfinite.NonfiniteMonitor` copies it asynchronously)."""
+        return self._nonfinite
+
     def nonfinite_updates(self) -> int:
         """Blocks whose compensated gradient was non-finite (error update skipped) since
         construction. Reads a device counter: a host sync, for tests and reports only."""

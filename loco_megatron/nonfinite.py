@@ -39,7 +39,7 @@ class NonfiniteMonitor:
 
     def poll(self) -> int:
         """Count the blocks since the last poll; warn on the 1st, 2nd, 4th, ... such step."""
-        counter = self.compensator._nonfinite
+        counter = self.compensator.nonfinite_count
         if counter is None:
             return 0
         if counter.device.type != "cuda":

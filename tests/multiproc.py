@@ -58,25 +58,20 @@ def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None, e
         result = fn(rank, world_size, *args)
         with open(os.path.join(tmpdir, f"result{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
-        _exit_barrier(tmpdir, world_size)
+        _exit_barrier(tmpdir, rank, world_size)
     finally:
         dist.destroy_process_group()
 
 
-def _exit_barrier(tmpdir, world_size, timeout_s=300):
+def _exit_barrier(tmpdir, rank, world_size, timeout_s=300):
     """Wait until every rank has finished its work before any closes its gloo sockets.
 
     Outside gloo (a FileStore): a rank that closes its connections right after the last
     collective can reset a peer's socket before that peer has read the last message, and the
     peer aborts ("terminate called without an active exception")."""
     store = dist.FileStore(os.path.join(tmpdir, "exit_store"), world_size)
-    store.set_timeout(datetime.timedelta(seconds=timeout_s))
-    store.add("done", 1)
-    deadline = time.monotonic() + timeout_s
-    while int(store.add("done", 0)) < world_size:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"exit barrier: not every rank finished within {timeout_s} s")
-        time.sleep(0.05)
+    store.set(f"done{rank}", "1")  # raises after timeout_s when a rank never gets here
+    store.wait([f"done{r}" for r in range(world_size)], datetime.timedelta(seconds=timeout_s))
 
 
 _PRELOADED = []

@@ -187,11 +187,20 @@ def main(argv=None) -> int:
     and returns 2 on a bad value, else returns 0 silently."""
     from ..data.check import DataPathError, check_data_args
 
-    argv = sys.argv[1:] if argv is None else argv
+    def check(args):
+        preparse_loco_config(args)
+        check_data_args(args)  # --data-path files: missing, truncated or corrupted .idx/.bin
+
+    return cli_exit_code(check, argv, (LoCoConfigError, DataPathError))
+
+
+def cli_exit_code(action, argv=None, errors=(LoCoConfigError,)) -> int:
+    """The launchers' one-line refusal, shared by the ``python -m`` checks: run
+    ``action(argv)`` (``sys.argv[1:]`` when ``argv`` is None); on one of ``errors`` print
+    ``error: <message>`` to stderr and return 2, else return 0."""
     try:
-        preparse_loco_config(argv)
-        check_data_args(argv)  # --data-path files: missing, truncated or corrupted .idx/.bin
-    except (LoCoConfigError, DataPathError) as e:
+        action(sys.argv[1:] if argv is None else list(argv))
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -128,7 +128,7 @@ def _wrap_ddp_init(orig):
         if state is None:
             return
         if not state.active:  # LoCo off: only check that no rank of a DP group has it on
-            _check_agreement(state, self, chunk=None)
+            _check_agreement(state, self)
             return
         check_ddp_config(self.ddp_config)
         chunk = state.num_chunks
@@ -139,7 +139,7 @@ def _wrap_ddp_init(orig):
                 bucket.loco_param_ranges = compat.bucket_param_ranges(buffer, bucket)
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
-        compressed = _check_agreement(state, self, chunk)
+        compressed = _check_agreement(state, self)
         log_chunk_layout(chunk, state.config, [
             (layout, bucket.grad_data.element_size()) for _, bucket, layout in compressed])
         if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
@@ -149,7 +149,7 @@ def _wrap_ddp_init(orig):
     return __init__
 
 
-def _check_agreement(state: LoCoState, ddp, chunk: Optional[int]):
+def _check_agreement(state: LoCoState, ddp):
     """The ``(bucket group, bucket, layout)`` of every bucket reduce-scattered over more than
     one rank, after checking that the ranks of each group agree on them
     (:func:`loco_megatron.agreement.check_layouts_agree`; LoCo off: on the bits only)."""

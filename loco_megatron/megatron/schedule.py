@@ -47,12 +47,9 @@ def check_lr_schedule(argv: Iterable[str]) -> None:
 def main(argv=None) -> int:
     """``python -m loco_megatron.megatron.schedule ARGS``: print ``error: ...`` and return 2
     when :func:`check_lr_schedule` refuses ``ARGS``, else return 0 silently."""
-    try:
-        check_lr_schedule(sys.argv[1:] if argv is None else argv)
-    except ScheduleError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from .arguments import cli_exit_code
+
+    return cli_exit_code(check_lr_schedule, argv, (ScheduleError,))
 
 
 if __name__ == "__main__":

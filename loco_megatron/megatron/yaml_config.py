@@ -189,12 +189,9 @@ def expand_config_argv(argv: Sequence[str]) -> List[str]:
 def main(argv: Sequence[str] = None) -> int:
     """Print ``expand_config_argv(argv)`` shell-quoted on one line; on error print it and
     return 2."""
-    try:
-        print(shlex.join(expand_config_argv(sys.argv[1:] if argv is None else argv)))
-    except LoCoConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from .arguments import cli_exit_code
+
+    return cli_exit_code(lambda args: print(shlex.join(expand_config_argv(args))), argv)
 
 
 if __name__ == "__main__":
