@@ -90,12 +90,14 @@ class ShardChecker:
 
 def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, *,
               params_dtype: torch.dtype = torch.float32, grad_reduce_in_fp32: bool = True,
-              module_fn=None, disable_bucketing: bool = False, **ddp_kwargs):
+              module_fn=None, disable_bucketing: bool = False,
+              use_distributed_optimizer: bool = True, **ddp_kwargs):
     """A seeded 2-layer GPTModel wrapped in megatron-core DDP, and its distributed Adam.
 
     ``params_dtype=torch.bfloat16`` builds it as megatron.training does for ``--bf16``
     (bf16 parameters, ``Float16Module``); ``module_fn(gpt)`` may wrap the GPT before DDP;
-    ``disable_bucketing`` is DDP's (megatron.training sets it for virtual-pipeline chunks > 0)."""
+    ``disable_bucketing`` is DDP's (megatron.training sets it for virtual-pipeline chunks > 0);
+    ``use_distributed_optimizer=False``: plain DDP (all-reduce) and megatron's plain optimizer."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -121,12 +123,13 @@ def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, *,
     if module_fn is not None:
         gpt = module_fn(gpt)
     ddp_cfg = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=overlap,
+        use_distributed_optimizer=use_distributed_optimizer, overlap_grad_reduce=overlap,
         grad_reduce_in_fp32=grad_reduce_in_fp32, bucket_size=bucket_size, **ddp_kwargs)
     model = DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=gpt,
                                     disable_bucketing=disable_bucketing)
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True,
+        OptimizerConfig(optimizer="adam", lr=3e-3,
+                        use_distributed_optimizer=use_distributed_optimizer,
                         **(dict(bf16=True, params_dtype=params_dtype) if bf16 else {})),
         [model])
     return model, opt
@@ -173,19 +176,26 @@ def stale_model_worker(rank, world):
 
 
 def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
-          check_steps=(0, 7), block_size: int = 256, start_iter: int = 0):
-    """Build and train the tiny GPT with LoCo ``mode`` in {"stock", "bits16", "loco4", "loco8"}."""
+          check_steps=(0, 7), block_size: int = 256, start_iter: int = 0,
+          param_sync: bool = True, **build_kwargs):
+    """Build and train the tiny GPT with LoCo ``mode`` in {"stock", "unset", "bits16", "loco4",
+    "loco8"} ("unset": installed with ``LoCoConfig()``, bits None); ``build_kwargs`` go to
+    :func:`build_gpt` (e.g. ``use_distributed_optimizer=False``); ``param_sync=False`` turns
+    DDP's forward pre-hook (the overlapped parameter all-gather) off after building, for
+    ``overlap_param_gather`` without a distributed or layer-wise optimizer to feed it."""
     import loco_megatron
     from megatron.core import parallel_state as ps
 
     state = None
     if mode != "stock":
-        bits = {"bits16": 16, "loco4": 4, "loco8": 8}[mode]
+        bits = {"unset": None, "bits16": 16, "loco4": 4, "loco8": 8}[mode]
         state = loco_megatron.install(loco_megatron.LoCoConfig(bits=bits, block_size=block_size,
                                                                start_iter=start_iter))
     checker = ShardChecker(state) if state is not None and state.active else None
     try:
-        model, opt = build_gpt(overlap, bucket_size)
+        model, opt = build_gpt(overlap, bucket_size, **build_kwargs)
+        if not param_sync:
+            model.disable_forward_pre_hook(param_sync=False)
         losses, worst = [], 0.0
         for step in range(steps):
             loss = forward_backward(model, opt)
@@ -263,3 +273,27 @@ def warmup_worker(rank, world, start_iter, steps):
 def grid_worker(rank, world, tp, overlap, backend, modes):
     setup(tp, backend)
     return {mode: train(mode, overlap) for mode in modes}
+
+
+def loco_off_worker(rank, world, tp, modes, build_kwargs):
+    """``train`` each of ``modes`` (20 steps) with ``build_kwargs`` (e.g. plain DDP); each
+    result also holds ``gathers``: the ``all_gather_object`` calls the rank made (LoCo's
+    start-up agreement check is one per DP group; none where LoCo could not compress)."""
+    setup(tp, "gloo")
+    kwargs = dict(build_kwargs)
+    overlap = kwargs.pop("overlap_grad_reduce", False)
+    original, out = dist.all_gather_object, {}
+    for mode in modes:
+        calls = []
+
+        def counting(*args, **kw):
+            calls.append(1)
+            return original(*args, **kw)
+
+        dist.all_gather_object = counting
+        try:
+            out[mode] = train(mode, overlap, check_steps=(), **kwargs)
+        finally:
+            dist.all_gather_object = original
+        out[mode]["gathers"] = len(calls)
+    return out

@@ -107,3 +107,26 @@ def test_preparse_refuses_fsdp_before_megatron_starts():
     with pytest.raises(LoCoConfigError, match="--use-megatron-fsdp"):
         preparse_loco_config(["--use-megatron-fsdp", "--loco-bits", "4"])
     assert preparse_loco_config(["--use-megatron-fsdp", "--loco-bits", "16"]).bits == 16
+
+
+@pytest.mark.parametrize("sizes,refused", [
+    ({"data_parallel_size": 1}, False),  # nothing communicated: plain DDP is fine at bits 4
+    ({"data_parallel_size": 2}, True),
+    ({"data_parallel_size": 1, "context_parallel_size": 2}, True),  # DP x CP reduces grads
+    # MoE: dense DP 1 but experts reduce-scattered over world / (ETP x EP x PP) = 2 ranks
+    ({"data_parallel_size": 1, "num_experts": 4, "world_size": 2,
+      "tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1,
+      "expert_model_parallel_size": 1}, True),
+    ({"data_parallel_size": 1, "num_experts": 4, "world_size": 2,
+      "tensor_model_parallel_size": 2, "expert_model_parallel_size": 1}, False),
+])
+def test_plain_ddp_refused_only_where_gradients_are_communicated(sizes, refused):
+    from loco_megatron.megatron.arguments import check_megatron_args, gradient_dp_size
+
+    args = argparse.Namespace(use_distributed_optimizer=False, **sizes)
+    assert (gradient_dp_size(args) > 1) == refused
+    if refused:
+        with pytest.raises(LoCoConfigError, match="--use-distributed-optimizer"):
+            check_megatron_args(args, LoCoConfig(bits=4))
+    else:
+        check_megatron_args(args, LoCoConfig(bits=4))

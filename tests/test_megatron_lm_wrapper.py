@@ -119,6 +119,23 @@ def test_combination_checked_after_megatron_parsed_the_flags(tmp_path):
     assert "LoCo active" not in out and "building GPT model" not in out
 
 
+@pytest.mark.parametrize("loco,line", [
+    ([], "> LoCo off (--loco-bits unset): nothing installed, megatron-core runs as shipped"),
+    (["--loco-bits", "16"], "> LoCo off (--loco-bits 16): stock megatron-core reduce-scatter")],
+    ids=["no_loco_flags", "bits16"])
+def test_plain_ddp_with_loco_off_trains(tmp_path, loco, line):
+    """Megatron-LM's plain DDP (no --use-distributed-optimizer) with LoCo off: trains as
+    stock (it crashed while building DDP when the start-up check read a distributed-optimizer
+    attribute of megatron-core's bucket groups)."""
+    checkout = _synthetic_checkout(tmp_path, NEW_STYLE)
+    rc, out = torchrun(WRAPPER, ["--megatron-lm", str(checkout), *CPU_FLAGS, *TINY_GPT, *loco])
+    assert rc == 0, out[-6000:]
+    assert line in out
+    iterations = ITERATION.findall(out)
+    assert [i for i, _ in iterations] == ["1", "2", "3"], out[-6000:]
+    assert "loco compression" not in out and "LoCo: model chunk" not in out
+
+
 @pytest.mark.parametrize("env,argv,message", [
     ({}, [], "no Megatron-LM checkout given: pass --megatron-lm PATH or set MEGATRON_LM=PATH"),
     ({"MEGATRON_LM": "/nonexistent/mlm"}, [],

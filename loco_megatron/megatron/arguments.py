@@ -149,7 +149,27 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
         use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
         num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         reduce_scatter_with_fp32_accumulation=getattr(
-            args, "ddp_reduce_scatter_with_fp32_accumulation", False)))
+            args, "ddp_reduce_scatter_with_fp32_accumulation", False)), gradient_dp_size(args))
+
+
+def gradient_dp_size(args) -> int:
+    """The most ranks any gradient buffer is reduced over, from Megatron's validated args:
+    DP x CP for dense parameters, ``world / (expert TP x EP x PP)`` for experts (megatron-core
+    parallel_state.py). 1: nothing is communicated, so LoCo has nothing to refuse or compress.
+    Missing fields (args not validated by Megatron) count as 2 (a DP group to check)."""
+    dp = getattr(args, "data_parallel_size", None)
+    if not isinstance(dp, int):
+        return 2
+    dense = dp * int(getattr(args, "context_parallel_size", 1) or 1)
+    if not getattr(args, "num_experts", None):
+        return dense
+    world = getattr(args, "world_size", None)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    expert = world // (etp * ep * pp) if isinstance(world, int) else 2
+    return max(dense, expert)
 
 
 _FSDP_FLAGS = (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-custom-fsdp"),

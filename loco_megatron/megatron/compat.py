@@ -142,6 +142,42 @@ def ddp_bucket_groups(ddp) -> list:
     return list(ddp.bucket_groups) + list(getattr(ddp, "expert_parallel_bucket_groups", []))
 
 
+def reduce_scatter_group(bucket_group):
+    """``(process group, size)`` a bucket group reduce-scatters its gradients over, or None when
+    it does not reduce-scatter (plain DDP all-reduces over ``data_parallel_group``).
+
+    megatron-core sets ``intra_distributed_optimizer_instance_{group,size}`` only with the
+    distributed optimizer or ``overlap_param_gather`` (the layer-wise optimizer, which all-reduces;
+    param_and_grad_buffer.py ``_ParamAndGradBucketGroup.__init__``, 0.13-0.19), so this reads
+    them only where ``ddp_config.use_distributed_optimizer`` says they exist and are used.
+    """
+    if not bucket_group.ddp_config.use_distributed_optimizer:
+        return None
+    return (bucket_group.intra_distributed_optimizer_instance_group,
+            int(bucket_group.intra_distributed_optimizer_instance_size))
+
+
+def gradient_group_size(bucket_group) -> int:
+    """Ranks a bucket group's gradient reduction spans (reduce-scatter with the distributed
+    optimizer, all-reduce without; 1: nothing is sent)."""
+    rs = reduce_scatter_group(bucket_group)
+    if rs is not None:
+        return rs[1]
+    group = getattr(bucket_group, "data_parallel_group", None)
+    return 1 if group is None else int(group.size())
+
+
+def stock_reduce_scatter_funcs() -> tuple:
+    """The functions megatron-core's ``dist_reduce_scatter_func`` is bound to at import:
+    ``torch.distributed.reduce_scatter_tensor`` or, on old torch, ``_reduce_scatter_base``
+    (param_and_grad_buffer.py, 0.13-0.19). Anything else there was put by someone else (another
+    plugin, a test's mock, megatron's own ``reduce_scatter_with_fp32_accumulation``)."""
+    import torch.distributed as dist
+
+    return tuple(f for f in (getattr(dist, "reduce_scatter_tensor", None),
+                             getattr(dist, "_reduce_scatter_base", None)) if f is not None)
+
+
 def distributed_optimizer_class():
     """``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -68,6 +68,8 @@ class LoCoState:
         self.metrics: Optional[StepMetrics] = None
         self.timers = None
         self.loss_scale = loss_scale.LossScaleTracker()
+        #: megatron-core's ``dist_reduce_scatter_func`` as found at install (LoCo active)
+        self.stock_reduce_scatter = None
         self._originals = {}
 
     def enable_metrics(self) -> StepMetrics:
@@ -106,8 +108,17 @@ def get_state() -> Optional[LoCoState]:
     return _STATE
 
 
-def check_ddp_config(ddp_config) -> None:
-    """Refuse DDP settings LoCo does not compress (raises LoCoConfigError naming the flag)."""
+def check_ddp_config(ddp_config, dp_size: int = 2) -> None:
+    """Refuse DDP settings LoCo does not compress (raises LoCoConfigError naming the flag).
+
+    Args:
+        ddp_config: megatron-core's ``DistributedDataParallelConfig``.
+        dp_size: the largest number of ranks any bucket group of the model reduces its
+            gradients over. At 1 nothing is sent, LoCo has nothing to compress and megatron's
+            own path runs whatever the configuration (no refusal).
+    """
+    if dp_size <= 1:
+        return
     if not ddp_config.use_distributed_optimizer:
         raise LoCoConfigError(
             "--loco-bits needs the distributed optimizer (--use-distributed-optimizer): LoCo "
@@ -130,7 +141,9 @@ def _wrap_ddp_init(orig):
         if not state.active:  # LoCo off: only check that no rank of a DP group has it on
             _check_agreement(state, self)
             return
-        check_ddp_config(self.ddp_config)
+        groups = compat.ddp_bucket_groups(self)
+        check_ddp_config(self.ddp_config,
+                         max((compat.gradient_group_size(g) for g in groups), default=1))
         chunk = state.num_chunks
         state.num_chunks += 1
         for buf_idx, buffer in enumerate(compat.ddp_buffers(self)):
@@ -153,19 +166,19 @@ def _check_agreement(state: LoCoState, ddp):
     """The ``(bucket group, bucket, layout)`` of every bucket reduce-scattered over more than
     one rank, after checking that the ranks of each group agree on them
     (:func:`loco_megatron.agreement.check_layouts_agree`; LoCo off: on the bits only)."""
-    groups = [group for group in compat.ddp_bucket_groups(ddp)
-              if group.intra_distributed_optimizer_instance_size > 1]
+    # only bucket groups that reduce-scatter over several ranks (distributed optimizer): plain
+    # DDP's all-reduce is never compressed, so with LoCo off nothing is checked there
+    groups = [(group, rs) for group in compat.ddp_bucket_groups(ddp)
+              for rs in [compat.reduce_scatter_group(group)] if rs is not None and rs[1] > 1]
     if not state.active:
-        check_layouts_agree(state.config, [
-            (group.intra_distributed_optimizer_instance_group, None, None, bucket.grad_data)
-            for group in groups for bucket in group.buckets])
+        check_layouts_agree(state.config, [(pg, None, None, bucket.grad_data)
+                                           for group, (pg, _) in groups for bucket in group.buckets])
         return []
-    compressed = [(group, bucket, state.layout_for(
-                       bucket, group.intra_distributed_optimizer_instance_size))
-                  for group in groups for bucket in group.buckets]
+    compressed = [(group, bucket, state.layout_for(bucket, size))
+                  for group, (_, size) in groups for bucket in group.buckets]
     check_layouts_agree(state.config, [  # before any compressed collective: fail fast
-        (group.intra_distributed_optimizer_instance_group, bucket.loco_key, layout,
-         bucket.grad_data) for group, bucket, layout in compressed])
+        (compat.reduce_scatter_group(group)[0], bucket.loco_key, layout, bucket.grad_data)
+        for group, bucket, layout in compressed])
     return compressed
 
 
@@ -207,6 +220,8 @@ def _wrap_start_grad_sync(orig):
 
         module = compat.param_and_grad_buffer_module()
         saved = module.dist_reduce_scatter_func
+        if saved is not state.stock_reduce_scatter:
+            raise LoCoConfigError(_foreign_reduce_scatter_message(saved, "since install()"))
         module.dist_reduce_scatter_func = reduce_scatter
         try:
             result = orig(self, *args, **kwargs)
@@ -217,6 +232,15 @@ def _wrap_start_grad_sync(orig):
         state.nonfinite.poll()  # NaN/Inf met by this or an earlier launch: a warning
         return result
     return start_grad_sync
+
+
+def _foreign_reduce_scatter_message(func, when: str) -> str:
+    name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
+    return (f"LoCo: megatron-core's param_and_grad_buffer.dist_reduce_scatter_func is {name} "
+            f"({when}), not torch.distributed's reduce-scatter. LoCo replaces that call during "
+            f"start_grad_sync, so this replacement (another plugin, a test mock, or "
+            f"--ddp-reduce-scatter-with-fp32-accumulation) would be bypassed silently; remove it "
+            f"or run with LoCo off (--loco-bits 16).")
 
 
 def _count_warmup_step(state: LoCoState, group) -> bool:
@@ -257,6 +281,11 @@ def install(config: LoCoConfig) -> LoCoState:
     if _STATE is not None:
         raise RuntimeError("loco_megatron is already installed; call uninstall() first")
     state = LoCoState(config)
+    if state.active:  # someone else's reduce-scatter would be bypassed silently: refuse
+        current = compat.param_and_grad_buffer_module().dist_reduce_scatter_func
+        if current not in compat.stock_reduce_scatter_funcs():
+            raise LoCoConfigError(_foreign_reduce_scatter_message(current, "before install()"))
+        state.stock_reduce_scatter = current
     # DDP construction: with LoCo off only the bits agreement check (one all_gather_object per
     # DP group at start-up; gradients untouched)
     targets = ckpt_hooks.patches() + [(compat.ddp_class(), "__init__", _wrap_ddp_init)]

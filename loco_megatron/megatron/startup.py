@@ -132,8 +132,14 @@ def install_from_args(args, emulated: bool):
 
     Exits through :func:`fail` on an invalid setting or combination.
 
+    Without ``--loco-bits`` (unset: LoCo off) nothing is installed: megatron-core runs as
+    shipped, with no LoCo hook on DDP construction or checkpoints (a checkpoint's LoCo state is
+    then ignored without a warning; ``--loco-bits 16`` installs LoCo off, which checks that every
+    DP rank agrees and warns about ignored LoCo state).
+
     Returns:
-        The :class:`~loco_megatron.megatron.plugin.LoCoState` of :func:`loco_megatron.install`.
+        The :class:`~loco_megatron.megatron.plugin.LoCoState` of :func:`loco_megatron.install`,
+        or None when ``--loco-bits`` is unset.
     """
     from .. import install
     from .arguments import check_megatron_args
@@ -144,6 +150,9 @@ def install_from_args(args, emulated: bool):
         check_megatron_args(args, config)
     except LoCoConfigError as e:
         fail(e)
+    if config.bits is None:
+        log_loco_startup(None, args, emulated)
+        return None
     state = install(config)
     log_loco_startup(state, args, emulated)
     # Once per job, in every launch path: LoCo fields on the iteration line, TensorBoard, timers

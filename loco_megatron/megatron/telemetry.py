@@ -167,9 +167,14 @@ def _kernels_note(cfg, emulated: bool) -> str:
 
 
 def log_loco_startup(state, args, emulated: bool) -> None:
-    """The start-up line: whether LoCo is active, with its settings."""
-    cfg = state.config
+    """The start-up line: whether LoCo is active, with its settings (``state`` None: not
+    installed, ``--loco-bits`` unset)."""
     where = "CPU ranks (CUDA emulation, gloo)" if emulated else "GPU"
+    if state is None:
+        _print_rank_0(f"> LoCo off (--loco-bits unset): nothing installed, megatron-core runs "
+                      f"as shipped; on {where}")
+        return
+    cfg = state.config
     if state.active:
         _print_rank_0(
             f"> LoCo active: {cfg.bits}-bit compensated reduce-scatter, block {cfg.block_size}, "
