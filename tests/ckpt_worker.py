@@ -16,8 +16,30 @@ from loco_megatron.megatron import compat
 from tests.megatron_worker import build_gpt, forward_backward, setup
 
 
+_SHARDING = {}
+
+
 def _sharding():
-    return {"distrib_optim_sharding_type": compat.reshardable_sharding_type()}
+    """The optimizer's sharding type: ``dp_reshardable`` by default, or what the running job's
+    ``"sharding": "fully"`` asked for (a TP change: ``--dist-ckpt-optim-fully-reshardable``)."""
+    kind = _SHARDING.get("kind")
+    return {"distrib_optim_sharding_type": compat.fully_reshardable_sharding_type()
+            if kind == "fully" else compat.reshardable_sharding_type()}
+
+
+def tp_drift(model) -> float:
+    """Largest difference of a TP-replicated parameter (not ``tensor_model_parallel``) between
+    this rank and the other ranks of its TP group."""
+    from megatron.core import parallel_state as ps
+
+    group, worst = ps.get_tensor_model_parallel_group(), 0.0
+    for p in model.module.parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            continue
+        copies = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, p.detach().contiguous(), group=group)
+        worst = max(worst, max(float((c - p).abs().max()) for c in copies))
+    return worst
 
 
 def _torch_paths(ckpt_dir):
@@ -110,6 +132,7 @@ def _run_job(job, records):
     import loco_megatron
 
     state = None  # config None: stock megatron-core, loco_megatron not installed
+    _SHARDING["kind"] = job.get("sharding")
     if job["config"] is not None:
         state = loco_megatron.install(loco_megatron.LoCoConfig(**job["config"]))
     try:
@@ -133,10 +156,16 @@ def _run_job(job, records):
                         "logs": [r for r in records if r.startswith("LoCo")]}
             out["sum_after_load"] = dp_sum(state) if state and state.active else {}
             out["errors_after_load"] = errors(state)
-        losses = []
+        losses, drift, counters = [], [], []
         for _ in range(job["steps"]):
             losses.append(float(forward_backward(model, opt)))
             opt.step()
+            if job.get("tp_drift"):  # after every step: replicas across TP ranks
+                drift.append(tp_drift(model))
+                counters.append(sorted(set(state.compensator.stats.steps.values()))
+                                if state and state.active else [])
+        if job.get("tp_drift"):
+            out.update(tp_drift=drift, step_counters=counters)
         if job["phase"] == "save":
             out["sum_before_save"] = dp_sum(state) if state and state.active else {}
             for fmt in job["formats"]:

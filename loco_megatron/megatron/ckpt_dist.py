@@ -32,6 +32,9 @@ from .ckpt_state import OptimizerLoCo, apply
 
 REQUEST = "__loco__"
 _mapping = compat.dist_checkpointing_mapping
+#: views of the optimizers whose load template holds a request, by the optimizer's ``id``: applied by
+#: :func:`apply_loaded` right after ``dist_checkpointing.load`` (one round on every rank)
+_LOADING: Dict[int, OptimizerLoCo] = {}
 
 
 def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
@@ -42,7 +45,8 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
     meta_replica = (0, view.instance, view.dp_rank)
     grid = _grid(view)
     if is_loading:
-        request = {"active": view.state.active, "grid": grid,
+        _LOADING[id(view.optimizer)] = view  # the latest template of each optimizer
+        request = {"active": view.state.active, "grid": grid, "view": id(view.optimizer),
                    "buckets": {r.name: {"error_numel": r.error_numel,
                                         "stages": {p: n for p, _, n in view.stages(r)},
                                         "numel_unpadded": r.numel_unpadded,
@@ -163,9 +167,27 @@ def _saved_exact(saved, base: str, grid, stages: Dict[str, int]):
     return out
 
 
+def apply_loaded(loaded) -> int:
+    """Apply every LoCo entry of what ``dist_checkpointing.load`` returned to its optimizer
+    (the wrapped load calls this inside a :func:`ckpt_agree.load_round`, so all ranks take
+    one decision); marks them applied for ``DistributedOptimizer.load_state_dict``. Returns
+    the number applied."""
+    count = 0
+    for entry in _requests(loaded):
+        req = entry[REQUEST]
+        if not isinstance(req, dict) or req.get("applied") or req.get("view") not in _LOADING:
+            continue
+        load_entry(_LOADING.pop(req["view"]), entry)
+        req["applied"] = True
+        count += 1
+    return count
+
+
 def load_entry(view: OptimizerLoCo, entry: dict) -> List[str]:
     """Apply a loaded ``"loco"`` entry to ``view`` (see :func:`ckpt_state.apply`)."""
     req = entry.get(REQUEST)
+    if isinstance(req, dict) and req.get("applied"):
+        return []  # already applied right after dist_checkpointing.load
     if not isinstance(req, dict) or "source" not in req:
         raise RuntimeError("LoCo: the distributed checkpoint was loaded without "
                            "loco_megatron's dist_checkpointing.load hook; call "

@@ -6,7 +6,7 @@ calls:
 
 ==========================================================  =====================================
 ``DistributedOptimizer.sharded_state_dict``                 adds the ``"loco"`` entry (torch_dist)
-``dist_checkpointing.load``                                 resolves LoCo load requests
+``dist_checkpointing.load``                                 resolves and applies LoCo entries
 ``DistributedOptimizer.load_state_dict``                    applies a loaded ``"loco"`` entry
 ``DistributedOptimizer.save_parameter_state`` / ``load_``   per-rank LoCo files (torch format)
 ``ChainedOptimizer.save_parameter_state`` / ``load_``       the same, for several optimizers
@@ -18,7 +18,7 @@ state is ignored; nothing is saved and training is untouched.
 
 import functools
 
-from . import ckpt_dist, ckpt_torch, compat
+from . import ckpt_agree, ckpt_dist, ckpt_torch, compat
 from .ckpt_state import OptimizerLoCo
 
 
@@ -87,22 +87,28 @@ def _wrap_save_parameter_state(orig, chained: bool):
 def _wrap_load_parameter_state(orig, chained: bool):
     @functools.wraps(orig)
     def load_parameter_state(self, filename, *args, **kwargs):
-        result = orig(self, filename, *args, **kwargs)
-        if chained and len(self.chained_optimizers) == 1:
+        with ckpt_agree.load_round():  # every rank: one decision (ckpt_agree)
+            result = orig(self, filename, *args, **kwargs)
+            if chained and len(self.chained_optimizers) == 1:
+                return result
+            for index, opt in _distributed_optimizers(self):
+                view = _view(opt)
+                if view is not None:
+                    ckpt_torch.load(view, filename, index)
             return result
-        for index, opt in _distributed_optimizers(self):
-            view = _view(opt)
-            if view is not None:
-                ckpt_torch.load(view, filename, index)
-        return result
     return load_parameter_state
 
 
 def _wrap_dist_load(orig):
     @functools.wraps(orig)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        ckpt_dist.resolve_requests(sharded_state_dict, checkpoint_dir)
-        return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        if not ckpt_dist.resolve_requests(sharded_state_dict, checkpoint_dir):
+            return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        # every rank: the LoCo entries applied at once, one decision (ckpt_agree)
+        with ckpt_agree.load_round(kwargs.get("process_group")):
+            loaded = orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            ckpt_dist.apply_loaded(loaded)
+        return loaded
     return load
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..hierarchical import INTER, INTRA
 from ..layout import BucketLayout
-from . import compat
+from . import ckpt_agree, compat
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,9 @@ class OptimizerLoCo:
         """Plain-Python description of the saved state (same on every DP rank)."""
         cfg, steps = self.state.config, self.state.compensator.stats.steps
         extra = {"instances": self.instances} if self.instances > 1 else {}
+        layout = ckpt_agree.model_parallel_layout()
+        if layout is not None:  # a resume at another TP/PP/EP size resets on every rank
+            extra["model_parallel"] = layout
         return {
             **extra, "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
             "hierarchical": self.hierarchy,
@@ -213,7 +216,7 @@ def validate_meta(meta, where: str) -> None:
 
 
 def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
-          sums: Optional[dict], source: str) -> List[str]:
+          sums: Optional[dict], source: str, data_file: Optional[str] = None) -> List[str]:
     """Restore ``view``'s error buffers from a checkpoint by the resume policy (DESIGN §4).
 
     Args:
@@ -222,33 +225,69 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         exact: ``{bucket name: entry}`` saved at the same DP size, or None.
         sums: ``{bucket name: fp32 [len(sum_range)]}`` of this rank's range of the DP-summed
             error, or None.
-        source: checkpoint file or directory, for messages.
+        source: checkpoint file or directory, for messages (the same on every rank).
+        data_file: the file ``exact`` was read from, for errors naming it (default ``source``).
+
+    Inside a :func:`~loco_megatron.megatron.ckpt_agree.load_round` (the checkpoint hooks open
+    one around megatron-core's load calls) the outcome is only recorded: when the round closes,
+    every rank applies one agreed decision (step counters, resets, messages; see
+    :mod:`loco_megatron.megatron.ckpt_agree`). Outside one (a direct call) the notes are logged
+    at once, on DP rank 0.
 
     Returns:
-        the messages logged (warnings for every case other than an exact restore).
+        the messages of this optimizer's own outcome (warnings for every case other than an
+        exact restore); the round may replace them by the agreed ones (``Outcome.notes``).
 
     Raises:
         ValueError: malformed metadata or entries (message names ``source`` and the key).
     """
-    state, notes = view.state, []
+    notes: List[Tuple[int, str]] = []
+    counts = {"restored": 0, "reset": 0}
+    _apply(view, meta, exact, sums, source, notes, counts, data_file or source)
+    saved_steps = [int(b.get("step", 0)) for b in (meta or {}).get("buckets", {}).values()
+                   if isinstance(b, dict)] if isinstance(meta, dict) else []
+    outcome = ckpt_agree.Outcome(
+        notes=notes, active=view.state.active, had_state=meta is not None,
+        restored=counts["restored"], reset=counts["reset"],
+        step=max(saved_steps) if saved_steps and view.buckets else None,
+        saved_layout=meta.get("model_parallel") if isinstance(meta, dict) else None,
+        source=source, reset_all=lambda: [_reset(view, ref) for ref in view.buckets],
+        set_steps=lambda step: view.state.compensator.stats.steps.update(
+            {ref.key: step for ref in view.buckets}))
+    if ckpt_agree.in_round():
+        ckpt_agree.record(outcome)
+    else:
+        for level, text in notes:
+            view.log(level, text)
+    return [text for _, text in notes]
+
+
+def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
+           notes: List[Tuple[int, str]], counts: Dict[str, int], data_file: str) -> None:
+    """The resume policy on this rank alone (see :func:`apply`); fills ``notes`` and
+    ``counts`` (buckets restored / reset)."""
+    state = view.state
 
     def note(level, text):
-        notes.append(text)
-        view.log(level, text)
+        notes.append((level, text))
+
+    def reset(ref):
+        _reset(view, ref)
+        counts["reset"] += 1
 
     if not state.active:
         if meta is not None:
             note(logging.WARNING, f"LoCo: {source} holds LoCo error buffers but LoCo is off "
                                   f"(--loco-bits {state.config.bits}); they are ignored")
-        return notes
+        return
     comp = state.compensator
     if meta is None:
         for ref in view.buckets:
-            _reset(view, ref)
+            reset(ref)
         note(logging.WARNING, f"LoCo: {source} has no LoCo state (saved without LoCo); error "
                               f"buffers start from zero")
-        return notes
-    validate_meta(meta, source)
+        return
+    validate_meta(meta, data_file)
     saved_fp, saved = meta["fingerprint"], meta["buckets"]
     for ref in view.buckets:  # resets stay on the same optimizer steps
         comp.stats.steps[ref.key] = int(saved.get(ref.name, {}).get("step", 0))
@@ -256,34 +295,34 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
     changed = [k for k in ("bits", "block_size") if saved_fp.get(k) != getattr(cfg, k)]
     if changed:
         for ref in view.buckets:
-            _reset(view, ref)
+            reset(ref)
         note(logging.WARNING, "LoCo: " + ", ".join(
             f"{k} changed {saved_fp.get(k)} -> {getattr(cfg, k)}" for k in changed)
             + f" since {source}; error buffers reset to zero")
-        return notes
+        return
     saved_dp = meta["dp_size"]
     if view.dp_size == 1 or saved_dp == 1:
-        for ref in view.buckets:
+        for ref in view.buckets:  # not a decision other ranks must share: nothing is sent
             _reset(view, ref)
         if saved_dp != view.dp_size:
             note(logging.WARNING, f"LoCo: DP size changed {saved_dp} -> {view.dp_size} since "
                                   f"{source}; nothing is compressed at DP size 1, so "
                                   f"{'the saved error buffers are dropped' if view.dp_size == 1 else 'there is no saved error'}: "
                                   f"error buffers start from zero")
-        return notes
+        return
     if meta.get("hierarchical") != view.hierarchy:
         for ref in view.buckets:
-            _reset(view, ref)
+            reset(ref)
         note(logging.WARNING, f"LoCo: --loco-hierarchical topology changed "
                               f"{_describe(meta.get('hierarchical'))} -> "
                               f"{_describe(view.hierarchy)} since {source}; the per-stage error "
                               f"buffers do not map onto it: error buffers reset to zero")
-        return notes
+        return
     resharded, unmapped = 0, []
     saved_instances = meta.get("instances", 1)
     same_grid = saved_dp == view.dp_size and saved_instances == view.instances
     for ref in view.buckets:
-        where = f"{source} key {view.prefix}.{ref.name}"
+        where = f"{data_file} key {view.prefix}.{ref.name}"
         entry, reason = saved.get(ref.name), None
         if entry is None:
             reason = "not in the checkpoint"
@@ -291,6 +330,7 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
             reason = "its parameters differ (model or --ddp-bucket-size changed)"
         if (reason is None and exact is not None and ref.name in exact and same_grid
                 and entry["error_numel"] == ref.error_numel):
+            counts["restored"] += 1
             for prefix, key, numel in view.stages(ref):
                 comp.restore_error(key, _stage_fields(exact[ref.name], prefix), numel,
                                    ref.bucket.grad_data.device,
@@ -298,8 +338,9 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         elif reason is None and sums is not None and ref.name in sums:
             _restore_from_sum(view, ref, sums[ref.name], where)
             resharded += 1
+            counts["restored"] += 1
         else:
-            _reset(view, ref)
+            reset(ref)
             unmapped.append(f"{ref.name} ({reason or 'no usable error form saved'})")
     if unmapped:
         note(logging.WARNING, f"LoCo: bucket layout of {source} cannot be mapped for "
@@ -315,7 +356,6 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
     if saved_fp.get("error_dtype") != cfg.error_dtype:
         note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get('error_dtype')} -> "
                               f"{cfg.error_dtype}; saved errors converted")
-    return notes
 
 
 def _reset(view: OptimizerLoCo, ref: BucketRef) -> None:

@@ -145,16 +145,17 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
         return apply(view, {"observed": True}, None, None, source)
     meta = _read(first)["meta"]
     exact = sums = None
+    data_file = first
     if meta["dp_size"] == view.dp_size and meta.get("instances", 1) == view.instances:
         if not os.path.exists(own):
             raise ValueError(f"LoCo checkpoint file {own} is missing (saved at DP size "
                              f"{meta['dp_size']}, every rank wrote one)")
-        exact, source = _read(own, meta)["exact"], own
+        exact, data_file = _read(own, meta)["exact"], own
     padding_changed = any(meta["buckets"].get(r.name, {}).get("error_numel") != r.error_numel
                           for r in view.buckets)
     if "sum" in meta["forms"] and (exact is None or padding_changed):
         sums = _gather_sums(view, meta, filename, index)
-    return apply(view, meta, exact, sums, source)
+    return apply(view, meta, exact, sums, source, data_file)
 
 
 def _first_rank_here(view: OptimizerLoCo, filename: str) -> int:

@@ -209,6 +209,15 @@ def reshardable_sharding_type() -> str:
     return "fully_sharded_model_space"
 
 
+def fully_reshardable_sharding_type() -> str:
+    """The DistributedOptimizer ``distrib_optim_sharding_type`` a TP/PP change needs
+    (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``): ``fully_reshardable`` (0.15+,
+    ``DistributedOptimizer.checkpoint_fully_reshardable_formats``) or, before,
+    ``fully_sharded_model_space``."""
+    formats = getattr(distributed_optimizer_class(), "checkpoint_fully_reshardable_formats", ())
+    return "fully_reshardable" if "fully_reshardable" in formats else "fully_sharded_model_space"
+
+
 def optimizer_state_keys(optimizer) -> tuple:
     """The per-parameter optimizer-state tensors a DistributedOptimizer checkpoints:
     ``optimizer.optimizer_state_keys`` (0.19) or Adam's ``("exp_avg", "exp_avg_sq")`` (the

@@ -1,0 +1,232 @@
+"""Run Megatron-LM's own distributed unit tests with loco_megatron installed; compare to stock.
+
+    .venv/bin/python tools/megatron_lm_unit_tests/run.py --megatron-lm /path/to/Megatron-LM
+    .venv/bin/python tools/megatron_lm_unit_tests/run.py --tag core_v0.19.0   # from a mirror
+
+Each test file of ``tests/unit_tests/distributed/`` (the checkout's) runs under
+``torchrun --nproc-per-node N -m pytest -p loco_mlm_plugin`` on CPU ranks (gloo, the CUDA
+emulation; :mod:`loco_mlm_plugin`), once per mode: ``stock`` (loco_megatron not installed),
+``bits16`` (installed, LoCo off) and ``bits4`` (installed, 4-bit LoCo), at 2 and 4 ranks. A test
+passes when it passes on every rank. The table (``--table``, default
+docs/megatron_lm_unit_tests.md) lists passed / failed / skipped per file and mode and every test
+whose outcome differs from stock, with the reason from :data:`EXPECTED_BITS4` where LoCo on is
+expected to differ. Exit status 1 when bits 16 differs from stock anywhere, or bits 4 differs
+outside :data:`EXPECTED_BITS4`.
+
+Nothing of the checkout is copied into this repository; ``--tag`` extracts the tag from a git
+mirror of NVIDIA/Megatron-LM (``LOCO_MEGATRON_LM_MIRROR``) into a temporary directory.
+"""
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+MIRROR = Path(os.environ.get("LOCO_MEGATRON_LM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+MODES = ("stock", "bits16", "bits4")
+
+#: Where 4-bit LoCo is expected to change a Megatron-LM test's outcome, each with the reason:
+#: ``("message", text)`` matches a failure whose message contains ``text`` (LoCo refusing a
+#: configuration or a mock, by design), ``("test", pattern)`` a test id (fnmatch). Every other
+#: difference from stock is unexpected.
+EXPECTED_BITS4 = [
+    (("message", "needs the distributed optimizer (--use-distributed-optimizer)"),
+     "plain DDP (an all-reduce) over more than one rank: LoCo refuses it at DDP construction "
+     "instead of leaving it uncompressed"),
+    (("message", "param_and_grad_buffer.dist_reduce_scatter_func is"),
+     "the test mocks dist_reduce_scatter_func, the very call LoCo replaces during "
+     "start_grad_sync: refused, not bypassed"),
+    (("message", "--ddp-reduce-scatter-with-fp32-accumulation"),
+     "megatron's fp32-accumulation reduce-scatter and LoCo both replace the reduce-scatter: "
+     "LoCo refuses the combination"),
+    (("test", "*test_grad_sync_with_expert_parallel.py::test_grad_sync*"),
+     "asserts exact gradient values after the reduce-scatter; LoCo sends 4-bit codes"),
+    (("test", "*test_param_and_grad_buffer.py::test_grad_sync*"),
+     "asserts exact gradient values after the reduce-scatter; LoCo sends 4-bit codes"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkout_path(args, tmp: Path) -> Path:
+    if args.megatron_lm:
+        path = Path(args.megatron_lm)
+    elif args.tag:
+        if not MIRROR.is_dir():
+            sys.exit(f"error: --tag needs a git mirror of NVIDIA/Megatron-LM at {MIRROR} "
+                     f"(set LOCO_MEGATRON_LM_MIRROR) or pass --megatron-lm PATH")
+        path = tmp / args.tag
+        path.mkdir(parents=True)
+        archive = subprocess.run(["git", f"--git-dir={MIRROR}", "archive", args.tag, "tests",
+                                  "megatron"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(path)], input=archive.stdout, check=True)
+    else:
+        sys.exit("error: pass --megatron-lm PATH (or set MEGATRON_LM) or --tag core_v0.19.0")
+    if not (path / "tests" / "unit_tests" / "distributed").is_dir():
+        sys.exit(f"error: --megatron-lm {path}: no tests/unit_tests/distributed/ (not a "
+                 f"Megatron-LM checkout?)")
+    return path
+
+
+def run_file(checkout: Path, test: str, mode: str, ranks: int, timeout: int, log) -> dict:
+    """``{test id: {"outcome": ..., "message": ...}}`` of one file, merged over the ranks."""
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, LOCO_MLM_BITS=mode.replace("bits", ""), LOCO_MLM_OUT=out,
+                   OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                   PYTHONPATH=os.pathsep.join([str(checkout), str(HERE), str(ROOT)]))
+        env.pop("MEGATRON_LM", None)
+        # the checkout's own megatron package is first on sys.path: it is what runs and what
+        # loco_megatron patches (its tests match its code)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "--master-port", str(_free_port()), "-m", "pytest", "-q", "-p", "loco_mlm_plugin",
+               "-p", "no:cacheprovider", "-o", "addopts=", test]
+        start = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+            crashed = proc.returncode not in (0, 1, 5)
+            tail = (proc.stdout + proc.stderr)[-3000:]
+        except subprocess.TimeoutExpired:
+            crashed, tail = True, f"timed out after {timeout} s"
+        log.write(f"=== {test} {mode} ranks={ranks} ({time.monotonic() - start:.0f} s)\n"
+                  f"{tail}\n")
+        per_rank = []
+        for r in range(ranks):
+            path = Path(out) / f"rank{r}.json"
+            per_rank.append(json.loads(path.read_text()) if path.exists() else {})
+    return merge_ranks(per_rank, test, crashed)
+
+
+def merge_ranks(per_rank, test: str, crashed: bool) -> dict:
+    """One outcome per test from every rank's: failed if it failed on any rank, passed if it
+    passed on one and failed on none, else skipped; a crashed or timed-out run adds a failed
+    ``<file>`` entry (what it did not report cannot count as passed)."""
+    merged = {}
+    for rank_results in per_rank:
+        for test_id, res in rank_results.items():
+            old = merged.get(test_id)
+            if old is None or res["outcome"] == "failed" or (
+                    res["outcome"] == "passed" and old["outcome"] == "skipped"):
+                merged[test_id] = res
+    if crashed:  # a rank died or hung: everything it did not report counts as failed
+        merged.setdefault(f"{test}::<file>", {"outcome": "failed",
+                                              "message": "ranks crashed or timed out"})
+    return merged
+
+
+def expected_reason(test_id: str, message: str):
+    """The reason from :data:`EXPECTED_BITS4` for a bits-4 outcome that differs, or None."""
+    for (kind, match), reason in EXPECTED_BITS4:
+        if (kind == "message" and match in message) or (
+                kind == "test" and fnmatch.fnmatchcase(test_id, match)):
+            return reason
+    return None
+
+
+def counts(results: dict) -> str:
+    c = {k: sum(1 for r in results.values() if r["outcome"] == k)
+         for k in ("passed", "failed", "skipped")}
+    return f"{c['passed']} / {c['failed']} / {c['skipped']}"
+
+
+def table(checkout_name, rows, diffs, elapsed) -> str:
+    lines = [
+        "# Megatron-LM's distributed unit tests with loco_megatron installed",
+        "",
+        f"Generated by `tools/megatron_lm_unit_tests/run.py` on "
+        f"{datetime.date.today().isoformat()} ({elapsed / 60:.0f} min): Megatron-LM "
+        f"`{checkout_name}`'s `tests/unit_tests/distributed/` with the checkout's own "
+        f"`megatron` package, CPU ranks (gloo, the CUDA emulation). Cells: passed / failed "
+        f"/ skipped (a test passes when it passes on every rank). `stock`: loco_megatron not "
+        f"installed; `bits16`: `install(LoCoConfig(bits=16))`, LoCo off; `bits4`: 4-bit LoCo.",
+        "How to run it, the stubs and what is expected to differ: "
+        "[docs/megatron_lm_unit_tests_harness.md](megatron_lm_unit_tests_harness.md).",
+        "",
+        "| file | ranks | stock | bits16 | bits4 | bits16 = stock |",
+        "|---|---|---|---|---|---|",
+    ]
+    for test, ranks, res in rows:
+        other = res.get("bits16")
+        same = "-" if other is None else "yes" if (
+            other.keys() == res["stock"].keys() and all(
+                other[k]["outcome"] == v["outcome"] for k, v in res["stock"].items())) else "**no**"
+        lines.append(f"| `{test.split('distributed/', 1)[-1]}` | {ranks} | "
+                     + " | ".join(counts(res[m]) if m in res else "-" for m in MODES)
+                     + f" | {same} |")
+    lines += ["", "## Outcomes that differ from stock", ""]
+    if not diffs:
+        lines.append("None.")
+    by_reason = {}
+    for mode, ranks, test_id, stock, got, message, reason in diffs:
+        by_reason.setdefault((mode, reason), []).append(
+            f"`{test_id.split('distributed/', 1)[-1]}` ({ranks} ranks, {stock} -> {got})"
+            + ("" if reason else f": {message}"))
+    for (mode, reason), tests in by_reason.items():
+        head = f"expected, {reason}" if reason else "**unexpected**"
+        lines.append(f"- {mode}, {len(tests)} outcomes, {head}:")
+        lines += [f"  - {t}" for t in tests]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"))
+    parser.add_argument("--tag", help="extract this tag from the mirror (LOCO_MEGATRON_LM_MIRROR)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--files", nargs="+", help="test files (relative to the checkout); "
+                        "default: every test_*.py under tests/unit_tests/distributed/")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per file and mode")
+    parser.add_argument("--table", default=str(ROOT / "docs" / "megatron_lm_unit_tests.md"))
+    parser.add_argument("--log", default=None, help="the runs' output tails (default: beside "
+                        "the table, .log)")
+    args = parser.parse_args(argv)
+    if "stock" not in args.modes:
+        parser.error("--modes must include stock (the reference)")
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkout = checkout_path(args, Path(tmp))
+        files = args.files or sorted(str(p.relative_to(checkout)) for p in
+                                     (checkout / "tests/unit_tests/distributed").rglob("test_*.py"))
+        rows, diffs = [], []
+        log_path = args.log or str(Path(args.table).with_suffix(".log"))
+        with open(log_path, "w") as log:
+            for test in files:
+                for ranks in args.ranks:
+                    res = {m: run_file(checkout, test, m, ranks, args.timeout, log)
+                           for m in args.modes}
+                    rows.append((test, ranks, res))
+                    for mode in args.modes[1:]:
+                        for test_id in sorted(set(res["stock"]) | set(res[mode])):
+                            a = res["stock"].get(test_id, {}).get("outcome", "absent")
+                            b = res[mode].get(test_id, {}).get("outcome", "absent")
+                            if a != b:
+                                message = res[mode].get(test_id, {}).get("message", "")
+                                reason = (expected_reason(test_id, message)
+                                          if mode == "bits4" else None)
+                                diffs.append((mode, ranks, test_id, a, b, message, reason))
+                    print(f"{test} ranks={ranks}: " + ", ".join(
+                        f"{m} {counts(res[m])}" for m in args.modes), flush=True)
+        name = args.tag or Path(checkout).name
+        text = table(name, rows, diffs, time.monotonic() - start)
+        Path(args.table).write_text(text)
+    print(f"table written to {args.table}")
+    bad = [d for d in diffs if d[0] == "bits16" or d[6] is None]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
