@@ -59,3 +59,24 @@ def test_resume_at_another_tp_size_keeps_replicas_identical(tmp_path, tp_before,
     d = str(tmp_path)
     run_ranks(ckpt_worker, 4, tp_before, [_save(d)])
     _check(run_ranks(ckpt_worker, 4, tp_after, [_load(d)]), tp_before, tp_after)
+
+
+@pytest.mark.skipif(not compat.supports_uneven_sharded_tensors(),
+                    reason="torch_dist LoCo state across a reshard needs megatron-core >= 0.15")
+@pytest.mark.parametrize("pp_before,pp_after", [(2, 1), (1, 2)], ids=["PP2xDP2-PP1xDP4",
+                                                                       "PP1xDP4-PP2xDP2"])
+def test_resume_at_another_pp_size_keeps_tied_embeddings_identical(tmp_path, pp_before,
+                                                                   pp_after):
+    """The word embedding of the first stage and the output weight of the last are one
+    parameter on two pipeline ranks: they stay identical after a resume at another PP size."""
+    from tests.worker_resume_pp import pp_resume_worker
+
+    d = str(tmp_path)
+    run_ranks(pp_resume_worker, 4, pp_before, "save", d, LOCO4, SAVED_STEPS)
+    loads = run_ranks(pp_resume_worker, 4, pp_after, "load", d, LOCO4, RESUMED_STEPS)
+    assert all(x == 0.0 for r in loads for x in r["tied_drift"]), [r["tied_drift"] for r in loads]
+    per_step = [r["step_counters"] for r in loads]
+    assert all(c == per_step[0] for c in per_step), per_step
+    assert per_step[0] == [[SAVED_STEPS + i + 1] for i in range(RESUMED_STEPS)], per_step[0]
+    logs = [line for r in loads for line in r["logs"]]
+    assert len(logs) == 1 and f"PP{pp_before}" in logs[0] and f"-> TP1 PP{pp_after}" in logs[0], logs

@@ -32,10 +32,10 @@ def setup_pipeline(vp):
                                  virtual_pipeline_model_parallel_size=vp)
 
 
-def build_chunks(vp, overlap: bool, bucket_size: int = 4000):
-    """This stage's model chunks (one per virtual stage; 1 transformer layer each), in DDP with
-    the distributed optimizer, and their distributed Adam. Returns ``(chunks, optimizer,
-    config)``."""
+def build_chunks(vp, overlap: bool, bucket_size: int = 4000, pp: int = 2):
+    """This stage's model chunks (one per virtual stage; ``2 / pp`` transformer layers each),
+    in DDP with the distributed optimizer, and their distributed Adam (``pp`` 1: the same
+    2-layer model on one stage). Returns ``(chunks, optimizer, config)``."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -50,7 +50,7 @@ def build_chunks(vp, overlap: bool, bucket_size: int = 4000):
     cfg = TransformerConfig(
         num_layers=2 * chunks_per_stage, hidden_size=HIDDEN, num_attention_heads=4,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, hidden_dropout=0.0,
-        attention_dropout=0.0, pipeline_model_parallel_size=2,
+        attention_dropout=0.0, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp,
         overlap_p2p_comm=vp is not None, batch_p2p_comm=vp is None)  # megatron.training's
     ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True,
