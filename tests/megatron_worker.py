@@ -194,7 +194,7 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
     checker = ShardChecker(state) if state is not None and state.active else None
     try:
         model, opt = build_gpt(overlap, bucket_size, **build_kwargs)
-        if not param_sync:
+        if not param_sync and getattr(model, "use_forward_hook", False):  # 0.17+ sets it here
             model.disable_forward_pre_hook(param_sync=False)
         losses, worst = [], 0.0
         for step in range(steps):
