@@ -269,13 +269,19 @@ def install(config: LoCoConfig) -> LoCoState:
     stock; only the checkpoint-load hooks run, to warn when a checkpoint's LoCo state is
     ignored, and DDP construction checks that no rank of a DP group has LoCo on
     (:func:`loco_megatron.agreement.check_layouts_agree`, with LoCo on for every bucket's
-    layout: RELIABILITY.md).
+    layout: RELIABILITY.md). That check runs only on bucket groups that reduce-scatter (the
+    distributed optimizer): plain DDP, ``overlap_param_gather`` without the distributed
+    optimizer and DP size 1 see no LoCo collective at all. Checkpoint loads are decided on
+    every rank together (:mod:`loco_megatron.megatron.ckpt_agree`).
 
     Returns:
         the :class:`LoCoState` (also available from :func:`get_state`).
 
     Raises:
         RuntimeError: already installed (call :func:`uninstall` first).
+        LoCoConfigError: LoCo on while megatron-core's ``dist_reduce_scatter_func`` is not
+            torch's (another plugin, a mock, megatron's fp32-accumulation reduce-scatter): it
+            would be bypassed; also raised at the first reduce if it is replaced later.
     """
     global _STATE
     if _STATE is not None:
@@ -283,7 +289,7 @@ def install(config: LoCoConfig) -> LoCoState:
     state = LoCoState(config)
     if state.active:  # someone else's reduce-scatter would be bypassed silently: refuse
         current = compat.param_and_grad_buffer_module().dist_reduce_scatter_func
-        if current not in compat.stock_reduce_scatter_funcs():
+        if not any(current is f for f in compat.stock_reduce_scatter_funcs()):
             raise LoCoConfigError(_foreign_reduce_scatter_message(current, "before install()"))
         state.stock_reduce_scatter = current
     # DDP construction: with LoCo off only the bits agreement check (one all_gather_object per
