@@ -255,3 +255,20 @@ def test_documented_error_state_bytes_match_the_saved_files(saved):
     assert disk == on_disk
     assert memory == sum(t.numel() * t.element_size() for e in state["exact"].values()
                          for t in e.values())
+
+
+def test_torch_format_messages_said_once_across_tp_ranks(tmp_path):
+    """``torch`` format at TP 2: each TP rank reads its own ``mp_rank_XX`` directory; the
+    message names the iteration directory and is logged once, not once per TP rank."""
+    d = str(tmp_path)
+    jobs = [{"phase": "save", "config": None, "steps": 2, "formats": ["torch"],
+             "dir": os.path.join(d, "stock")},
+            _load(os.path.join(d, "stock"), "torch", steps=1),
+            {"phase": "save", "config": LOCO4, "steps": 2, "formats": ["torch"],
+             "dir": os.path.join(d, "loco")},
+            _load(os.path.join(d, "loco"), "torch", {"bits": 16}, 1)]
+    results = run_ranks(ckpt_worker, 2, 2, jobs)
+    for job, text in ((1, "has no LoCo state"), (3, "they are ignored")):
+        logs = [line for r in results for line in r[job]["logs"]]
+        assert len(logs) == 1 and text in logs[0], logs
+        assert "mp_rank_" not in logs[0], logs

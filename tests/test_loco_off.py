@@ -111,3 +111,40 @@ def test_replaced_reduce_scatter_refused_at_first_use(_clean):
     with pytest.raises(LoCoConfigError, match="_mock_reduce_scatter.*since install"):
         start(group)
     assert calls == []  # megatron's start_grad_sync never ran with the mock bypassed
+
+
+def test_tool_wrapping_torch_after_megatron_import_is_accepted(_clean):
+    """A comms logger that wraps ``torch.distributed.reduce_scatter_tensor`` after megatron-core
+    bound its global changes nothing megatron calls: no refusal."""
+    import functools
+
+    import torch.distributed as dist
+
+    original = dist.reduce_scatter_tensor
+
+    @functools.wraps(original)
+    def logged(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_tensor = logged
+    try:
+        loco_megatron.install(LoCoConfig(bits=4))
+    finally:
+        dist.reduce_scatter_tensor = original
+
+
+def test_wrapper_bound_by_megatron_is_refused_and_named(_clean):
+    """The same wrapper bound by megatron-core (installed before megatron was imported) would
+    be bypassed: refused, the message naming it and torch's function."""
+    import functools
+
+    import torch.distributed as dist
+
+    @functools.wraps(dist.reduce_scatter_tensor)
+    def logged(*args, **kwargs):
+        raise AssertionError("not to be called")
+
+    logged.__module__, logged.__qualname__ = "commslog", "logged_reduce_scatter"
+    _clean.dist_reduce_scatter_func = logged
+    with pytest.raises(LoCoConfigError, match="commslog.logged_reduce_scatter.*not torch"):
+        loco_megatron.install(LoCoConfig(bits=4))

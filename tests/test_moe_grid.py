@@ -6,10 +6,11 @@ checkpointed with the ChainedOptimizer's dense and expert DistributedOptimizers.
 (gloo + CUDA emulation), all-gather token dispatcher.
 """
 
+import pytest
 import torch
 
 from .multiproc import run_ranks
-from .worker_moe import moe_worker
+from .worker_moe import corrupt_load_worker, moe_worker
 from .worker_resume import FORMATS
 
 STEPS = 4
@@ -47,3 +48,17 @@ def test_moe_expert_buckets_compressed_and_checkpointed(tmp_path):
         for fmt in FORMATS:
             assert ck[fmt]["same_keys"] and ck[fmt]["dense"] and ck[fmt]["expert"], (fmt, ck[fmt])
             assert ck[fmt]["resumed"] == ck["continued"], fmt
+
+
+@pytest.mark.parametrize("optimizer_index,dp_file", [(0, "dp003"), (1, "dp001")],
+                         ids=["dense_non_leader", "expert"])
+def test_one_rank_failing_to_load_stops_every_rank(tmp_path, optimizer_index, dp_file):
+    """A truncated LoCo file read by one rank only (dense optimizer: DP rank 3's own file, in
+    EP rank 1's directory, where DP rank 1 reads the metadata) used to hang: the failed rank
+    skipped the expert optimizer's DP-group collective its partner waited in. Every rank now
+    raises, the failed one naming the file, the others the failed rank."""
+    errors = run_ranks(corrupt_load_worker, 4, str(tmp_path), optimizer_index, dp_file,
+                       timeout_s=180)
+    assert all(errors), errors
+    assert any(f"loco_state_{optimizer_index}_{dp_file}.pt" in e for e in errors), errors
+    assert any("loading the checkpoint failed on rank" in e for e in errors), errors

@@ -178,3 +178,42 @@ def moe_worker(rank, world, overlap, steps, ckpt_dir):
                                        state.config, ckpt_dir, {"dense": dense, "expert": expert})
     results["ckpt"]["torch_dirs"] = sorted(os.listdir(os.path.join(ckpt_dir, "torch")))
     return results
+
+
+def corrupt_load_worker(rank, world, ckpt_dir, optimizer_index, dp_file):
+    """Save the MoE model (dense + expert DistributedOptimizer, ``torch`` format), truncate one
+    LoCo file of optimizer ``optimizer_index`` (``dp_file``: e.g. ``dp003``, in EP rank 1's
+    directory) and load on every rank. Returns the load's error message (None: it loaded)."""
+    import loco_megatron
+    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from tests import ckpt_worker
+
+    setup_moe()
+    fix_torch_adamw_resume()
+    config = loco_megatron.LoCoConfig(bits=4, block_size=64)
+    loco_megatron.install(config)
+    try:
+        model, opt = build_moe_gpt(False)
+        for _ in range(2):
+            forward_backward(model, opt)
+            opt.step()
+        ckpt_worker.save(model, opt, "torch", ckpt_dir)
+    finally:
+        loco_megatron.uninstall()
+    dist.barrier()
+    if rank == 0:
+        path = os.path.join(ckpt_dir, "mp_rank_00_001",
+                            f"loco_state_{optimizer_index}_{dp_file}.pt")
+        with open(path, "r+b") as f:
+            f.truncate(100)
+    dist.barrier()
+    loco_megatron.install(config)
+    try:
+        model, opt = build_moe_gpt(False)
+        try:
+            ckpt_worker.load(model, opt, "torch", ckpt_dir)
+        except Exception as e:  # noqa: BLE001 - the message is the result
+            return f"{type(e).__name__}: {e}"
+        return None
+    finally:
+        loco_megatron.uninstall()

@@ -23,6 +23,9 @@ that loaded decides for all of them:
 * messages: the same true lines on every rank, logged once (the group's rank 0);
 * a rank whose load raised makes every rank raise (instead of the others training on or
   waiting in a collective the failed rank never joins).
+
+The round's group is the one ``dist_checkpointing.load`` was given (``process_group``), else
+every rank: a load by only some ranks (models on disjoint ranks of one job) is not supported.
 """
 
 import contextlib
@@ -169,7 +172,9 @@ def _apply_decision(outcomes: List[Outcome], views: List[dict], rank: int,
                                    f"DP group and do not map onto the new layout, so every rank "
                                    f"resets them to zero{counters}")]
     elif partial:
-        notes = [(logging.WARNING, "; ".join(text for _, text in notes)
+        reasons = "; ".join(text for _, text in notes) or (
+            f"LoCo: some error buffers of {source} could not be restored")
+        notes = [(logging.WARNING, reasons
                   + f"; to keep replicas on other model-parallel ranks identical every rank "
                     f"resets its error buffers to zero{counters}")]
     for outcome in outcomes:

@@ -34,7 +34,7 @@ REQUEST = "__loco__"
 _mapping = compat.dist_checkpointing_mapping
 #: views of the optimizers whose load template holds a request, by the optimizer's ``id``: applied by
 #: :func:`apply_loaded` right after ``dist_checkpointing.load`` (one round on every rank)
-_LOADING: Dict[int, OptimizerLoCo] = {}
+PENDING_LOADS: Dict[int, OptimizerLoCo] = {}
 
 
 def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
@@ -45,7 +45,7 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
     meta_replica = (0, view.instance, view.dp_rank)
     grid = _grid(view)
     if is_loading:
-        _LOADING[id(view.optimizer)] = view  # the latest template of each optimizer
+        PENDING_LOADS[id(view.optimizer)] = view  # the latest template of each optimizer
         request = {"active": view.state.active, "grid": grid, "view": id(view.optimizer),
                    "buckets": {r.name: {"error_numel": r.error_numel,
                                         "stages": {p: n for p, _, n in view.stages(r)},
@@ -119,6 +119,7 @@ def resolve_requests(sharded_state_dict, checkpoint_dir) -> int:
         meta_obj = entry["meta"]
         prefix = meta_obj.key[:-len(".meta")]
         req["source"] = str(checkpoint_dir)
+        req.pop("applied", None)  # a template used for a second load applies again
         entry[REQUEST] = m.LocalNonpersistentObject(req)
         if meta_obj.unique_key not in saved:
             del entry["meta"]
@@ -175,9 +176,10 @@ def apply_loaded(loaded) -> int:
     count = 0
     for entry in _requests(loaded):
         req = entry[REQUEST]
-        if not isinstance(req, dict) or req.get("applied") or req.get("view") not in _LOADING:
+        if (not isinstance(req, dict) or req.get("applied")
+                or req.get("view") not in PENDING_LOADS):
             continue
-        load_entry(_LOADING.pop(req["view"]), entry)
+        load_entry(PENDING_LOADS.pop(req["view"]), entry)
         req["applied"] = True
         count += 1
     return count

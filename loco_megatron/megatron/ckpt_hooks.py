@@ -91,10 +91,17 @@ def _wrap_load_parameter_state(orig, chained: bool):
             result = orig(self, filename, *args, **kwargs)
             if chained and len(self.chained_optimizers) == 1:
                 return result
+            first_error = None
             for index, opt in _distributed_optimizers(self):
                 view = _view(opt)
-                if view is not None:
-                    ckpt_torch.load(view, filename, index)
+                if view is None:
+                    continue
+                try:  # each load starts with a collective over its DP group: a rank that
+                    ckpt_torch.load(view, filename, index)  # failed still joins the next ones
+                except Exception as e:  # noqa: BLE001 - re-raised below, after all of them
+                    first_error = first_error or e
+            if first_error is not None:
+                raise first_error
             return result
     return load_parameter_state
 
@@ -110,6 +117,11 @@ def _wrap_dist_load(orig):
             ckpt_dist.apply_loaded(loaded)
         return loaded
     return load
+
+
+def forget_pending_loads() -> None:
+    """Drop the optimizers of load templates that were never loaded (called by uninstall)."""
+    ckpt_dist.PENDING_LOADS.clear()
 
 
 def patches():

@@ -131,7 +131,9 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
     own = sidecar_path(filename, index, view.dp_rank, view.instance)
     leader = _first_rank_here(view, filename)
     first = sidecar_path(filename, index, leader)
-    source = os.path.dirname(filename)
+    # messages name the checkpoint's iteration directory, the same on every rank (the
+    # mp_rank_XX directory differs per TP/PP/EP rank); errors name the file
+    source = os.path.dirname(os.path.dirname(os.path.abspath(filename)))
     if not os.path.exists(first):
         others = _rank_files(filename, index)
         if others:

@@ -172,10 +172,12 @@ def stock_reduce_scatter_funcs() -> tuple:
     ``torch.distributed.reduce_scatter_tensor`` or, on old torch, ``_reduce_scatter_base``
     (param_and_grad_buffer.py, 0.13-0.19). Anything else there was put by someone else (another
     plugin, a test's mock, megatron's own ``reduce_scatter_with_fp32_accumulation``)."""
-    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-    return tuple(f for f in (getattr(dist, "reduce_scatter_tensor", None),
-                             getattr(dist, "_reduce_scatter_base", None)) if f is not None)
+    # c10d's own attributes, not ``torch.distributed.*``: a tool that wraps the package's
+    # attribute after megatron-core was imported changes nothing megatron calls
+    return tuple(f for f in (getattr(c10d, "reduce_scatter_tensor", None),
+                             getattr(c10d, "_reduce_scatter_base", None)) if f is not None)
 
 
 def distributed_optimizer_class():

@@ -235,9 +235,12 @@ def _wrap_start_grad_sync(orig):
 
 
 def _foreign_reduce_scatter_message(func, when: str) -> str:
-    name = f"{getattr(func, '__module__', '?')}.{getattr(func, '__qualname__', repr(func))}"
-    return (f"LoCo: megatron-core's param_and_grad_buffer.dist_reduce_scatter_func is {name} "
-            f"({when}), not torch.distributed's reduce-scatter. LoCo replaces that call during "
+    def name(f):
+        return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"
+
+    stock = " or ".join(name(f) for f in compat.stock_reduce_scatter_funcs())
+    return (f"LoCo: megatron-core's param_and_grad_buffer.dist_reduce_scatter_func is "
+            f"{name(func)} ({when}), not {stock}. LoCo replaces that call during "
             f"start_grad_sync, so this replacement (another plugin, a test mock, or "
             f"--ddp-reduce-scatter-with-fp32-accumulation) would be bypassed silently; remove it "
             f"or run with LoCo off (--loco-bits 16).")
@@ -316,4 +319,5 @@ def uninstall() -> None:
         return
     for (owner, name), fn in reversed(list(_STATE._originals.items())):
         setattr(owner, name, fn)
+    ckpt_hooks.forget_pending_loads()
     _STATE = None
