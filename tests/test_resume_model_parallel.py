@@ -80,3 +80,23 @@ def test_resume_at_another_pp_size_keeps_tied_embeddings_identical(tmp_path, pp_
     assert per_step[0] == [[SAVED_STEPS + i + 1] for i in range(RESUMED_STEPS)], per_step[0]
     logs = [line for r in loads for line in r["logs"]]
     assert len(logs) == 1 and f"PP{pp_before}" in logs[0] and f"-> TP1 PP{pp_after}" in logs[0], logs
+
+
+@pytest.mark.skipif(compat.fully_reshardable_sharding_type() != "fully_reshardable",
+                    reason="an EP change needs the fully_reshardable format (megatron-core 0.15+)")
+def test_resume_at_another_ep_size_agrees(tmp_path):
+    """MoE saved at EP 2 (expert-DP 2), resumed at EP 4 (expert-DP 1, where nothing of the
+    experts is compressed): equal step counters on every rank at every step, one message naming
+    the change."""
+    from tests.worker_resume_ep import ep_resume_worker
+
+    d = str(tmp_path / "ckpt")
+    run_ranks(ep_resume_worker, 4, 2, "save", d, LOCO4, SAVED_STEPS)
+    loads = run_ranks(ep_resume_worker, 4, 4, "load", d, LOCO4, RESUMED_STEPS)
+    per_step = [r["step_counters"] for r in loads]
+    assert all(c == per_step[0] for c in per_step), per_step
+    # compressed (dense) buckets continue from the save; expert buckets at expert-DP 1 send
+    # nothing and keep the agreed counter
+    assert per_step[0] == [[SAVED_STEPS, SAVED_STEPS + i + 1] for i in range(RESUMED_STEPS)]
+    logs = [line for r in loads for line in r["logs"]]
+    assert len(logs) == 1 and "EP2" in logs[0] and "-> TP1 PP1 EP4" in logs[0], logs

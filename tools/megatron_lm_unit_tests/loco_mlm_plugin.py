@@ -13,13 +13,15 @@ imported it
    sockets, thousands per rank within one test file;
 5. installs loco_megatron with ``LoCoConfig(bits=LOCO_MLM_BITS)`` (``stock``: not installed).
 
-Each rank writes ``{test id: outcome}`` to ``$LOCO_MLM_OUT/rank<RANK>.json`` (``passed``,
-``failed`` or ``skipped``, and the first line of a failure's message).
+Each rank writes ``{test id: outcome}`` to ``$LOCO_MLM_OUT/rank<RANK>.json`` after every test
+(``passed``, ``failed`` or ``skipped``, and a failure's error lines). A test still running after
+``LOCO_MLM_TEST_TIMEOUT`` seconds (default 120) counts as failed ("hung") and ends its rank.
 """
 
 import json
 import os
 import sys
+import threading
 import types
 
 #: module name -> (attributes, reason). Imported by Megatron-LM's test code, but unusable here.
@@ -168,6 +170,34 @@ def pytest_collectreport(report):
                                                        "message": _message(report)}
 
 
+#: seconds one test may run on a rank before it counts as hung (``LOCO_MLM_TEST_TIMEOUT``)
+TEST_TIMEOUT = float(os.environ.get("LOCO_MLM_TEST_TIMEOUT", "120"))
+_WATCHDOG = {}
+
+
+def _hung(nodeid: str) -> None:
+    """A test ran past :data:`TEST_TIMEOUT` (a collective waiting for a peer that never
+    comes): record it as failed and end this rank, so the file's run ends in minutes."""
+    _OUTCOMES[nodeid] = {"outcome": "failed",
+                         "message": f"hung: still running after {TEST_TIMEOUT:.0f} s (killed)"}
+    _write()
+    os._exit(3)
+
+
+def pytest_runtest_logstart(nodeid, location):
+    timer = threading.Timer(TEST_TIMEOUT, _hung, args=(nodeid,))
+    timer.daemon = True
+    timer.start()
+    _WATCHDOG[nodeid] = timer
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    timer = _WATCHDOG.pop(nodeid, None)
+    if timer is not None:
+        timer.cancel()
+    _write()  # after every test: a rank that dies later keeps what it did
+
+
 def pytest_runtest_logreport(report):
     previous = _OUTCOMES.get(report.nodeid, {}).get("outcome")
     if report.failed:
@@ -178,10 +208,15 @@ def pytest_runtest_logreport(report):
         _OUTCOMES[report.nodeid] = {"outcome": "passed"}
 
 
-def pytest_sessionfinish(session, exitstatus):
+def _write() -> None:
     out = os.environ.get("LOCO_MLM_OUT")
     if out:
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"rank{os.environ.get('RANK', '0')}.json")
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             json.dump(_OUTCOMES, f, indent=1, sort_keys=True)
+        os.replace(path + ".tmp", path)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _write()

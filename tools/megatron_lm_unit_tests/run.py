@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--files", nargs="+", help="test files (relative to the checkout); "
                         "default: every test_*.py under tests/unit_tests/distributed/")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds per file and mode")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per file and mode "
+                        "(each test: LOCO_MLM_TEST_TIMEOUT, default 120)")
     parser.add_argument("--table", default=str(ROOT / "docs" / "megatron_lm_unit_tests.md"))
     parser.add_argument("--log", default=None, help="the runs' output tails (default: beside "
                         "the table, .log)")
