@@ -86,3 +86,34 @@ def test_one_megatron_lm_file_in_every_mode(tmp_path):
     assert "| `test_distributed_data_parallel.py` | 2 | 1 / 0 / 1 | 1 / 0 / 1 | 0 / 1 / 1 | yes |" \
         in text, text
     assert "expected, plain DDP" in text and "**unexpected**" not in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--files", "tests/x.py"], "--files needs --table PATH"),
+    (["--modes", "bits16"], "--modes must include stock"),
+    (["--tag", "core_v0.19.0", "--table", "/nonexistent/dir/t.md"], "its directory does not exist"),
+])
+def test_bad_harness_arguments_are_one_line(argv, message):
+    proc = subprocess.run([sys.executable, str(HARNESS / "run.py"), *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_stock_is_the_reference_whatever_the_order(monkeypatch, tmp_path):
+    """``--modes bits4 stock``: still compared against stock (it used to compare nothing)."""
+    run = _run_module()
+    seen = []
+
+    def fake_run_file(checkout, test, mode, ranks, timeout, log):
+        seen.append(mode)
+        return {"t": {"outcome": "passed" if mode == "stock" else "failed", "message": "m"}}
+
+    checkout = tmp_path / "mlm"
+    (checkout / "tests/unit_tests/distributed").mkdir(parents=True)
+    (checkout / "tests/unit_tests/distributed/test_a.py").write_text("")
+    monkeypatch.setattr(run, "run_file", fake_run_file)
+    rc = run.main(["--megatron-lm", str(checkout), "--ranks", "2", "--modes", "bits16", "stock",
+                   "--table", str(tmp_path / "t.md")])
+    assert seen == ["stock", "bits16"] and rc == 1  # bits16 differing from stock: exit 1
+    assert "**unexpected**" in (tmp_path / "t.md").read_text()
