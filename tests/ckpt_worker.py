@@ -7,13 +7,15 @@ megatron-core 0.13/0.14, which lack it, ``fully_sharded_model_space``) +
 ``dist_checkpointing.save`` / ``load``.
 """
 
+import contextlib
+import logging
 import os
 
 import torch
 import torch.distributed as dist
 
 from loco_megatron.megatron import compat
-from tests.megatron_worker import build_gpt, forward_backward, setup
+from tests.megatron_worker import build_gpt, forward_backward, setup, tp_drift
 
 
 _SHARDING = {}
@@ -27,19 +29,17 @@ def _sharding():
             if kind == "fully" else compat.reshardable_sharding_type()}
 
 
-def tp_drift(model) -> float:
-    """Largest difference of a TP-replicated parameter (not ``tensor_model_parallel``) between
-    this rank and the other ranks of its TP group."""
-    from megatron.core import parallel_state as ps
-
-    group, worst = ps.get_tensor_model_parallel_group(), 0.0
-    for p in model.module.parameters():
-        if getattr(p, "tensor_model_parallel", False):
-            continue
-        copies = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(copies, p.detach().contiguous(), group=group)
-        worst = max(worst, max(float((c - p).abs().max()) for c in copies))
-    return worst
+@contextlib.contextmanager
+def loco_log_lines():
+    """The list of messages logged under ``loco_megatron`` while the block runs."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())
+    logging.getLogger("loco_megatron").addHandler(handler)
+    try:
+        yield records
+    finally:
+        logging.getLogger("loco_megatron").removeHandler(handler)
 
 
 def _torch_paths(ckpt_dir):
@@ -190,20 +190,12 @@ def ckpt_worker(rank, world, tp, jobs):
     DP-sum of the errors before saving / after loading, or ``{"error": message}`` when a load
     raised.
     """
-    import logging
-
     from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
 
     setup(tp, "gloo")
     fix_torch_adamw_resume()  # CPU: torch AdamW fallback (no TE/apex)
     results = []
     for job in jobs:
-        records = []
-        handler = logging.Handler()
-        handler.emit = lambda r, records=records: records.append(r.getMessage())
-        logging.getLogger("loco_megatron").addHandler(handler)
-        try:
+        with loco_log_lines() as records:
             results.append(_run_job(job, records))
-        finally:
-            logging.getLogger("loco_megatron").removeHandler(handler)
     return results

@@ -175,6 +175,21 @@ def stale_model_worker(rank, world):
     return message, calls
 
 
+def tp_drift(model) -> float:
+    """Largest difference of a TP-replicated parameter (not ``tensor_model_parallel``) between
+    this rank and the other ranks of its TP group."""
+    from megatron.core import parallel_state as ps
+
+    group, worst = ps.get_tensor_model_parallel_group(), 0.0
+    for p in model.module.parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            continue
+        copies = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, p.detach().contiguous(), group=group)
+        worst = max(worst, max(float((c - p).abs().max()) for c in copies))
+    return worst
+
+
 def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
           check_steps=(0, 7), block_size: int = 256, start_iter: int = 0,
           param_sync: bool = True, **build_kwargs):
@@ -204,20 +219,14 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
             opt.step()
             losses.append(float(loss))
         params = {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()}
-        tp_group = ps.get_tensor_model_parallel_group()
-        tp_drift = 0.0
-        for p in model.module.parameters():
-            if not getattr(p, "tensor_model_parallel", False):
-                copies = [torch.empty_like(p) for _ in range(dist.get_world_size(tp_group))]
-                dist.all_gather(copies, p.detach().contiguous(), group=tp_group)
-                tp_drift = max(tp_drift, max(float((c - p).abs().max()) for c in copies))
+        drift = tp_drift(model)
         counters = {}
         if state is not None and state.active:
             counters = {"calls": state.wire.calls, "compress": state.compensator.stats.calls,
                         "buckets": state.num_buckets, "bytes": state.wire.bytes_sent,
                         "stock_bytes": state.wire.stock_bytes,
                         "steps": sorted(set(state.compensator.stats.steps.values()))}
-        return {"losses": losses, "params": params, "tp_drift": tp_drift, "counters": counters,
+        return {"losses": losses, "params": params, "tp_drift": drift, "counters": counters,
                 "shard_check": worst, "num_bucket_groups": len(model.bucket_groups)}
     finally:
         loco_megatron.uninstall()

@@ -3,9 +3,9 @@ another (4 ranks, ``torch_dist``, the fully reshardable optimizer format as Mega
 ``--dist-ckpt-optim-fully-reshardable`` saves it; tests/worker_moe.py). Records every rank's LoCo
 step counters after each resumed step and the LoCo log lines."""
 
-import logging
 import os
 
+from tests.ckpt_worker import loco_log_lines
 from tests.megatron_worker import forward_backward
 
 
@@ -35,24 +35,20 @@ def ep_resume_worker(rank, world, ep, phase, ckpt_dir, config, steps):
     wm.EP = ep
     wm.setup_moe()
     fix_torch_adamw_resume()
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger("loco_megatron").addHandler(handler)
     state = loco_megatron.install(loco_megatron.LoCoConfig(**config))
     try:
-        model, opt = wm.build_moe_gpt(False)
-        if phase == "load":
-            _load_fully_reshardable(model, opt, ckpt_dir)
-        counters = []
-        for _ in range(steps):
-            forward_backward(model, opt)
-            opt.step()
-            counters.append(sorted(set(state.compensator.stats.steps.values())))
-        if phase == "save":
-            wm._save_fully_reshardable(model, opt, ckpt_dir)
+        with loco_log_lines() as records:
+            model, opt = wm.build_moe_gpt(False)
+            if phase == "load":
+                _load_fully_reshardable(model, opt, ckpt_dir)
+            counters = []
+            for _ in range(steps):
+                forward_backward(model, opt)
+                opt.step()
+                counters.append(sorted(set(state.compensator.stats.steps.values())))
+            if phase == "save":
+                wm._save_fully_reshardable(model, opt, ckpt_dir)
         return {"step_counters": counters,
                 "logs": [r for r in records if r.startswith("LoCo")]}
     finally:
         loco_megatron.uninstall()
-        logging.getLogger("loco_megatron").removeHandler(handler)

@@ -7,7 +7,6 @@ step counters and, at PP 2, the drift between the first stage's word embedding a
 stage's output weight (replicas of one parameter on two pipeline ranks).
 """
 
-import logging
 import os
 
 from tests import ckpt_worker
@@ -33,32 +32,30 @@ def pp_resume_worker(rank, world, pp, phase, ckpt_dir, config, steps):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     _setup(pp)
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda r: records.append(r.getMessage())
-    logging.getLogger("loco_megatron").addHandler(handler)
     ckpt_worker._SHARDING["kind"] = "fully"
     state = loco_megatron.install(loco_megatron.LoCoConfig(**config))
     try:
-        chunks, opt, cfg = build_chunks(None, overlap=False, pp=pp)
-        set_sync_funcs(chunks, cfg, overlap=False)
-        if phase == "load":
-            ckpt_worker.load(chunks[0], opt, "torch_dist", os.path.join(ckpt_dir, "torch_dist"))
-        forward_backward, batches = get_forward_backward_func(), _microbatches()
-        drift, counters = [], []
-        for _ in range(steps):
-            chunks[0].zero_grad_buffer()
-            opt.zero_grad()
-            forward_backward(forward_step_func=forward_step, data_iterator=[iter(batches)],
-                             model=chunks, num_microbatches=MICROBATCHES, seq_length=SEQ,
-                             micro_batch_size=MICRO_BATCH, forward_only=False)
-            opt.step()
-            drift.append(_tied_drift(chunks) if pp > 1 else 0.0)
-            counters.append(sorted(set(state.compensator.stats.steps.values())))
-        if phase == "save":
-            ckpt_worker.save(chunks[0], opt, "torch_dist", os.path.join(ckpt_dir, "torch_dist"))
+        with ckpt_worker.loco_log_lines() as records:
+            chunks, opt, cfg = build_chunks(None, overlap=False, pp=pp)
+            set_sync_funcs(chunks, cfg, overlap=False)
+            if phase == "load":
+                ckpt_worker.load(chunks[0], opt, "torch_dist",
+                                 os.path.join(ckpt_dir, "torch_dist"))
+            forward_backward, batches = get_forward_backward_func(), _microbatches()
+            drift, counters = [], []
+            for _ in range(steps):
+                chunks[0].zero_grad_buffer()
+                opt.zero_grad()
+                forward_backward(forward_step_func=forward_step, data_iterator=[iter(batches)],
+                                 model=chunks, num_microbatches=MICROBATCHES, seq_length=SEQ,
+                                 micro_batch_size=MICRO_BATCH, forward_only=False)
+                opt.step()
+                drift.append(_tied_drift(chunks) if pp > 1 else 0.0)
+                counters.append(sorted(set(state.compensator.stats.steps.values())))
+            if phase == "save":
+                ckpt_worker.save(chunks[0], opt, "torch_dist",
+                                 os.path.join(ckpt_dir, "torch_dist"))
         return {"tied_drift": drift, "step_counters": counters,
                 "logs": [r for r in records if r.startswith("LoCo")]}
     finally:
         loco_megatron.uninstall()
-        logging.getLogger("loco_megatron").removeHandler(handler)

@@ -244,8 +244,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
     notes: List[Tuple[int, str]] = []
     counts = {"restored": 0, "reset": 0}
     _apply(view, meta, exact, sums, source, notes, counts, data_file or source)
-    saved_steps = [int(b.get("step", 0)) for b in (meta or {}).get("buckets", {}).values()
-                   if isinstance(b, dict)] if isinstance(meta, dict) else []
+    saved_buckets = meta.get("buckets", {}) if isinstance(meta, dict) else {}
+    saved_steps = [int(b.get("step", 0)) for b in saved_buckets.values() if isinstance(b, dict)]
     outcome = ckpt_agree.Outcome(
         notes=notes, active=view.state.active, had_state=meta is not None,
         restored=counts["restored"], reset=counts["reset"],

@@ -169,8 +169,8 @@ def gradient_group_size(bucket_group) -> int:
 
 def stock_reduce_scatter_funcs() -> tuple:
     """The functions megatron-core's ``dist_reduce_scatter_func`` is bound to at import:
-    ``torch.distributed.reduce_scatter_tensor`` or, on old torch, ``_reduce_scatter_base``
-    (param_and_grad_buffer.py, 0.13-0.19). Anything else there was put by someone else (another
+    ``torch.distributed.distributed_c10d.reduce_scatter_tensor`` or, on old torch,
+    ``_reduce_scatter_base`` (param_and_grad_buffer.py, 0.13-0.19). Anything else there was put by someone else (another
     plugin, a test's mock, megatron's own ``reduce_scatter_with_fp32_accumulation``)."""
     from torch.distributed import distributed_c10d as c10d
 

@@ -174,12 +174,11 @@ def _check_agreement(state: LoCoState, ddp):
         check_layouts_agree(state.config, [(pg, None, None, bucket.grad_data)
                                            for group, (pg, _) in groups for bucket in group.buckets])
         return []
-    compressed = [(group, bucket, state.layout_for(bucket, size))
-                  for group, (_, size) in groups for bucket in group.buckets]
+    compressed = [(group, pg, bucket, state.layout_for(bucket, size))
+                  for group, (pg, size) in groups for bucket in group.buckets]
     check_layouts_agree(state.config, [  # before any compressed collective: fail fast
-        (compat.reduce_scatter_group(group)[0], bucket.loco_key, layout, bucket.grad_data)
-        for group, bucket, layout in compressed])
-    return compressed
+        (pg, bucket.loco_key, layout, bucket.grad_data) for _, pg, bucket, layout in compressed])
+    return [(group, bucket, layout) for group, _, bucket, layout in compressed]
 
 
 def _wrap_start_grad_sync(orig):
