@@ -29,14 +29,14 @@ sys.exit(m("run_pretrain.sh") and "error: " + m("run_pretrain.sh"))'
 for a in "$@"; do
   case "$a" in --config|--config=*)
     line=$(repo=$PWD; cd "$caller_dir" && PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" \
-           "$repo/$PY" -m loco_megatron.megatron.yaml_config "$@")
+           "$repo/$PY" -m loco_megatron.cli.yaml_config "$@")
     eval "set -- $line"
     break ;;
   esac
 done
 
 # Bad --loco-* values fail here, in a second, before the corpus is prepared or ranks start.
-"$PY" -m loco_megatron.megatron.arguments "$@" || exit 2
+"$PY" -m loco_megatron.cli.preflight "$@" || exit 2
 
 user_data=0 loco_default=(--loco-bits 4)
 for a in "$@"; do
@@ -84,11 +84,11 @@ model_args=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-lengt
             --log-interval 10 --eval-interval 100 --eval-iters 10 --tensorboard-dir "$OUT_DIR/tensorboard"
             ${loco_default[@]+"${loco_default[@]}"})
 # A run shorter than the learning-rate warm-up fails here in a line, not in Megatron's assertion.
-"$PY" -m loco_megatron.megatron.schedule "${model_args[@]}" "$@" || exit 2
+"$PY" -m loco_megatron.cli.schedule "${model_args[@]}" "$@" || exit 2
 launch=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
         --nproc-per-node "$NPROC" --master-addr "${MASTER_ADDR:-127.0.0.1}"
         --master-port "${MASTER_PORT:-29517}"
-        -m loco_megatron.pretrain_gpt "${hw_args[@]}" "${model_args[@]}" "${data_args[@]}" "$@")
+        -m loco_megatron.training.pretrain_gpt "${hw_args[@]}" "${model_args[@]}" "${data_args[@]}" "$@")
 if [ -n "${LOCO_DRY_RUN:-}" ]; then
   printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
   exit 0

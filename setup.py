@@ -40,5 +40,5 @@ setup(
         "bench": ["matplotlib"],  # benchmarks/ (python -m benchmarks): the convergence plot
         "te": ["transformer-engine[pytorch]"],
     },
-    entry_points={"console_scripts": ["loco-megatron = loco_megatron.cli:main"]},
+    entry_points={"console_scripts": ["loco-megatron = loco_megatron.cli.command:main"]},
 )

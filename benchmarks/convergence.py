@@ -1,7 +1,7 @@
 """Convergence: loss after N steps, full precision vs 4-bit without compensation vs plain error
 feedback vs LoCo (issue 5, section 4; DESIGN.md §8).
 
-Four runs of Megatron's own training loop (``loco_megatron.pretrain_gpt`` under
+Four runs of Megatron's own training loop (``loco_megatron.training.pretrain_gpt`` under
 ``torch.distributed.run``, 2 CPU ranks with gloo, as ``run_pretrain.sh`` launches it) on the real
 default corpus (this Python's standard-library sources, local BPE tokenizer, cached), with the same
 steps, seed and data; only the ``--loco-*`` flags differ:
@@ -208,7 +208,7 @@ def launch_command(cfg: Config, run_dir: Path, extra: Sequence[str], port: int) 
     on a machine without a GPU)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--node-rank", "0",
             "--nproc-per-node", str(cfg.nproc), "--master-addr", "127.0.0.1",
-            "--master-port", str(port), "-m", "loco_megatron.pretrain_gpt", *CPU_ARGS,
+            "--master-port", str(port), "-m", "loco_megatron.training.pretrain_gpt", *CPU_ARGS,
             *cfg.megatron_args(), "--tensorboard-dir", str(run_dir / "tensorboard"), *extra]
 
 

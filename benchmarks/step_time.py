@@ -1,7 +1,7 @@
 """Section step_time: end-to-end Megatron step time, stock megatron-core vs LoCo 4-bit, over an
 emulated slow link between two "nodes" (network namespaces + veth + ``tc tbf``; netns.py).
 
-Each run is Megatron's real training loop (``loco_megatron.pretrain_gpt``, CPU ranks, gloo)
+Each run is Megatron's real training loop (``loco_megatron.training.pretrain_gpt``, CPU ranks, gloo)
 started by ``torch.distributed.run`` in both namespaces (``--nnodes 2``, ``--nproc-per-node``
 DP/2, master = namespace 0's veth address, ``GLOO_SOCKET_IFNAME`` = the namespace's veth end).
 One run measures every rate: after its warm-up it measures ``measure`` iterations at the first
@@ -112,7 +112,7 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Li
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--node-rank", str(node), "--nproc-per-node", str(dp // 2),
                "--master-addr", link.addr[0], "--master-port", str(port),
-               "-m", "loco_megatron.pretrain_gpt", *args]
+               "-m", "loco_megatron.training.pretrain_gpt", *args]
         out = (subprocess.PIPE if node == 1
                else open(log_dir / f"{tag}.node0.log", "w"))  # noqa: SIM115 (closed below)
         procs.append(link.popen(node, cmd, env=env, cwd=REPO, stdout=out,

@@ -3,9 +3,10 @@
 Paper: "LoCo: Low-Bit Communication Adaptor for Large-scale Model Training" (arXiv 2407.04480).
 
     import loco_megatron
-    state = loco_megatron.install(loco_megatron.LoCoConfig(bits=4))
-    ...  # build megatron-core DDP + DistributedOptimizer as usual
-    loco_megatron.uninstall()
+    with loco_megatron.installed(loco_megatron.LoCoConfig(bits=4)) as state:
+        ...  # build megatron-core DDP + DistributedOptimizer as usual, train
+
+(or ``state = loco_megatron.install(...)`` ... ``loco_megatron.uninstall()``).
 """
 
 from .config import LoCoConfig, LoCoConfigError
@@ -20,6 +21,18 @@ def install(config: LoCoConfig):
     return _install(config)
 
 
+def installed(config: LoCoConfig):
+    """Context manager: LoCo installed for the block, uninstalled when it ends (also on an
+    exception). See :func:`loco_megatron.megatron.plugin.installed`.
+
+        with loco_megatron.installed(loco_megatron.LoCoConfig(bits=4)) as state:
+            ...  # build DDP + DistributedOptimizer and train
+    """
+    from .megatron.plugin import installed as _installed
+
+    return _installed(config)
+
+
 def uninstall() -> None:
     """See :func:`loco_megatron.megatron.plugin.uninstall`."""
     from .megatron.plugin import uninstall as _uninstall
@@ -28,12 +41,12 @@ def uninstall() -> None:
 
 
 def enable_megatron_lm(argv=None) -> None:
-    """See :func:`loco_megatron.megatron.lm_hooks.enable_loco` (called by the patched
+    """See :func:`loco_megatron.training.argument_hooks.enable_loco` (called by the patched
     Megatron-LM ``pretrain_gpt.py`` of ``patches/``)."""
-    from .megatron.lm_hooks import enable_loco
+    from .training.argument_hooks import enable_loco
 
     enable_loco(argv)
 
 
-__all__ = ["LoCoConfig", "LoCoConfigError", "enable_megatron_lm", "install", "uninstall",
-           "__version__"]
+__all__ = ["LoCoConfig", "LoCoConfigError", "enable_megatron_lm", "install", "installed",
+           "uninstall", "__version__"]

@@ -1,12 +1,19 @@
 """LoCo configuration: the single source of truth for every LoCo setting.
 
 Modelled on megatron-core's dataclass configs (``DistributedDataParallelConfig``): one docstring
-per field, validation in ``__post_init__`` with the flag named in the message. The argparse flags
-(``--loco-*``) are generated from the fields by :mod:`loco_megatron.megatron.arguments`.
+per field, validation in ``__post_init__`` with the flag named in the message. Each field also
+carries a :class:`Setting` in its metadata (the settings registry, :data:`SETTINGS`): its
+``--loco-*`` flag and one-line help, whether the ranks of a data-parallel group must agree on it
+and what a change means for a checkpoint's error buffers. Everything else is derived from it:
+the argparse flags (:mod:`loco_megatron.cli.flags`), the YAML ``loco:`` keys
+(:mod:`loco_megatron.cli.yaml_config`), the start-up agreement check
+(:mod:`loco_megatron.agreement`), the checkpoint fingerprint and resume decisions
+(:mod:`loco_megatron.megatron.checkpoint.state`) and the flag names in messages.
 """
 
-from dataclasses import dataclass, fields
-from typing import Any, Dict, Optional
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Optional, Tuple
 
 #: Bit widths that run the compressed path. 16 and 32 mean "full precision": LoCo off.
 COMPRESSED_BITS = (4, 8)
@@ -21,14 +28,48 @@ INTRA_NODE_BITS = (8, 16)
 MAX_BLOCK_SIZE = 65536
 
 
-#: accepted Python types per field (bool is refused where an int is expected)
-_FIELD_TYPES = {"bits": (int, type(None)), "beta": (float, int), "reset_interval": (int,),
-                "block_size": (int,), "error_dtype": (str,), "start_iter": (int,),
-                "kernels": (str,), "intra_node_bits": (int,)}  # hierarchical: its own check
+#: what a changed value means for a checkpoint's saved error buffers (``Setting.checkpoint``)
+RESET, CONVERT, RECORD = "reset", "convert", "record"
 
 
 class LoCoConfigError(ValueError):
     """An invalid LoCo setting; the message names the flag and what to do."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """Registry entry of one :class:`LoCoConfig` field (``dataclasses.field`` metadata).
+
+    Attributes:
+        flag: the command-line flag, ``--loco-...``; the YAML ``loco:`` key is the flag without
+            ``--loco-`` (``err-beta``, also ``err_beta``).
+        help: one line for ``--help`` (the field's docstring has the details).
+        shared: every rank of a data-parallel group must hold the same value (checked at
+            start-up by :func:`loco_megatron.agreement.check_layouts_agree`); False for local
+            choices that give the same bits (``kernels``).
+        checkpoint: None when the value is not part of the checkpoint fingerprint; else what a
+            value different from the saved one does on resume: ``"reset"`` (error buffers start
+            from zero), ``"convert"`` (saved errors converted), ``"record"`` (saved for the
+            record, no effect).
+        argparse: extra ``add_argument`` keywords (``metavar``, ``choices``, ``action``).
+    """
+
+    flag: str
+    help: str
+    shared: bool
+    checkpoint: Optional[str]
+    argparse: Tuple[Tuple[str, Any], ...] = ()
+
+    @property
+    def yaml_key(self) -> str:
+        """The ``loco:`` section key (``--loco-err-beta`` -> ``err-beta``)."""
+        return self.flag[len("--loco-"):]
+
+
+def _setting(default, flag: str, help: str, *, shared: bool, checkpoint: Optional[str],
+             **argparse_kwargs):
+    return field(default=default, metadata={"loco": Setting(
+        flag, help, shared, checkpoint, tuple(argparse_kwargs.items()))})
 
 
 @dataclass
@@ -39,108 +80,124 @@ class LoCoConfig:
     ``reset_T=1024``. Raises :class:`LoCoConfigError` on invalid values.
     """
 
-    bits: Optional[int] = None
+    bits: Optional[int] = _setting(
+        None, "--loco-bits", "bits per gradient element: 4 or 8 compress; 16/32 or unset: LoCo off",
+        shared=True, checkpoint=RESET, metavar="{4,8,16,32}")
     """Bits per gradient element on the wire (``--loco-bits``): 4 or 8 compress; 16, 32 or
     None leave megatron-core's full-precision reduce-scatter untouched (LoCo off)."""
 
-    beta: float = 0.8
+    beta: float = _setting(
+        0.8, "--loco-err-beta", "moving-average factor of the error buffer, in [0, 1)",
+        shared=True, checkpoint=RECORD, metavar="BETA")
     """Moving-average factor of the error buffer (``--loco-err-beta``), in [0, 1):
     ``e_t = beta * e_{t-1} + (1 - beta) * (h_t - deQ(Q(h_t)))``. 0 is classic error feedback."""
 
-    reset_interval: int = 1024
+    reset_interval: int = _setting(
+        1024, "--loco-reset-interval", "zero the error buffers every STEPS steps (0: never)",
+        shared=True, checkpoint=RECORD, metavar="STEPS")
     """Zero all error buffers every this many optimizer steps (``--loco-reset-interval``);
     0 never resets. Counted in optimizer steps for all buckets at once."""
 
-    block_size: int = 256
+    block_size: int = _setting(
+        256, "--loco-block-size", "elements per quantization block (even, one fp32 scale)",
+        shared=True, checkpoint=RESET, metavar="N")
     """Elements per quantization block, each with one fp32 scale (``--loco-block-size``). Even,
     so 4-bit codes pack two per byte; wire overhead is ``32 / block_size`` bits per element."""
 
-    error_dtype: str = "int8"
+    error_dtype: str = _setting(
+        "int8", "--loco-error-dtype", "error-buffer storage: int8 (+ block scales) or fp32",
+        shared=True, checkpoint=CONVERT, choices=ERROR_DTYPES)
     """Storage of the error buffer (``--loco-error-dtype``): ``int8`` (symmetric, one fp32 scale
     per block, ~1 byte per element) or ``fp32`` (exact, 4 bytes per element)."""
 
-    start_iter: int = 0
+    start_iter: int = _setting(
+        0, "--loco-start-iter", "full-precision steps before LoCo starts (0: from the start)",
+        shared=True, checkpoint=None, metavar="STEPS")
     """Warm-up (``--loco-start-iter``): megatron-core's full-precision reduce-scatter for the
     first this many optimizer steps, LoCo from then on (the precedents: PowerSGD's
     ``start_powerSGD_iter``, 1-bit Adam's ``freeze_step``). Counted with the per-bucket step
     counter that also schedules resets and is saved in checkpoints, so a resumed run continues
     the count; a checkpoint without LoCo state starts it at 0. 0 compresses from the first step."""
 
-    kernels: str = "auto"
+    kernels: str = _setting(
+        "auto", "--loco-kernels", "compress kernels: auto, torch (reference), cpu or triton",
+        shared=False, checkpoint=None, choices=KERNEL_CHOICES)
     """Implementation of the compress/decompress hot path (``--loco-kernels``): ``auto``
     (Triton for CUDA tensors, the C kernel for CPU tensors, the torch reference where neither
     runs), ``triton``, ``cpu`` or ``torch`` (the reference). All give the same codes and error
     buffers bit for bit (loco_megatron/kernels); not part of the checkpoint fingerprint."""
 
-    hierarchical: bool = False
+    hierarchical: bool = _setting(
+        False, "--loco-hierarchical", "two-stage reduce-scatter: intra-node, then inter-node",
+        shared=True, checkpoint=None)
     """Two-stage reduce-scatter (``--loco-hierarchical``; DESIGN.md §2, docs/hierarchical.md):
     within each node at ``intra_node_bits``, then across nodes at ``bits`` with its own error
     buffer. Nodes are read from the launcher's ``LOCAL_WORLD_SIZE`` (ranks placed contiguously
     per node, as torchrun and Slurm do). The inter-node stage uses ``bits``; with ``bits``
     16/32 (LoCo off) the switch has no effect."""
 
-    intra_node_bits: int = 16
+    intra_node_bits: int = _setting(
+        16, "--loco-intra-node-bits", "bits of the intra-node stage of --loco-hierarchical",
+        shared=True, checkpoint=None, choices=INTRA_NODE_BITS)
     """Bits per element of the intra-node stage of ``--loco-hierarchical``
     (``--loco-intra-node-bits``): 16 sends the gradient buffer's own dtype (full precision:
     fp32 or bf16) and sums in fp32; 8 sends compensated 8-bit codes with their own error
     buffer. Only used with ``--loco-hierarchical``."""
 
     def __post_init__(self):
-        for name, types in _FIELD_TYPES.items():  # wrong types (Python API, JSON) name the flag
+        for name, types in _accepted_types().items():  # wrong types (Python API, JSON) name the flag
             value = getattr(self, name)
             if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                 wanted = " or ".join("None" if t is type(None) else t.__name__ for t in types)
                 raise LoCoConfigError(
-                    f"--loco-{'err-beta' if name == 'beta' else name.replace('_', '-')} "
-                    f"{value!r}: expected {wanted}, got {type(value).__name__}.")
+                    f"{flag(name)} {value!r}: expected {wanted}, got {type(value).__name__}.")
         if self.bits is not None and self.bits not in COMPRESSED_BITS + FULL_PRECISION_BITS:
             raise LoCoConfigError(
-                f"--loco-bits {self.bits} is not supported: use 4 or 8 to compress, "
+                f"{flag('bits')} {self.bits} is not supported: use 4 or 8 to compress, "
                 f"or 16/32 (or leave it unset) for megatron-core's full-precision reduce-scatter."
             )
-        if not (0.0 <= float(self.beta) < 1.0):
+        if not 0.0 <= self.beta < 1.0:
             raise LoCoConfigError(
-                f"--loco-err-beta {self.beta} is outside [0, 1): 0 is plain error feedback, "
+                f"{flag('beta')} {self.beta} is outside [0, 1): 0 is plain error feedback, "
                 f"0.8 is the paper's default."
             )
-        if int(self.reset_interval) != self.reset_interval or self.reset_interval < 0:
+        if self.reset_interval < 0:
             raise LoCoConfigError(
-                f"--loco-reset-interval {self.reset_interval} must be a non-negative integer "
+                f"{flag('reset_interval')} {self.reset_interval} must be a non-negative integer "
                 f"(0 = never reset)."
             )
-        if int(self.block_size) != self.block_size or not 2 <= self.block_size <= MAX_BLOCK_SIZE \
-                or self.block_size % 2:
+        if not 2 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size % 2:
             raise LoCoConfigError(
-                f"--loco-block-size {self.block_size} must be an even integer in "
+                f"{flag('block_size')} {self.block_size} must be an even integer in "
                 f"[2, {MAX_BLOCK_SIZE}] (4-bit codes are packed two per byte; blocks are padded "
                 f"at every parameter and shard boundary); 256 is the default."
             )
-        if int(self.start_iter) != self.start_iter or self.start_iter < 0:
+        if self.start_iter < 0:
             raise LoCoConfigError(
-                f"--loco-start-iter {self.start_iter} must be a non-negative integer "
+                f"{flag('start_iter')} {self.start_iter} must be a non-negative integer "
                 f"(optimizer steps at full precision before LoCo starts; 0 = from the start)."
             )
         if self.kernels not in KERNEL_CHOICES:
             raise LoCoConfigError(
-                f"--loco-kernels {self.kernels!r} is not one of {KERNEL_CHOICES} (auto picks "
+                f"{flag('kernels')} {self.kernels!r} is not one of {KERNEL_CHOICES} (auto picks "
                 f"Triton on GPUs and the C kernel on CPUs)."
             )
         if not isinstance(self.hierarchical, bool):
             raise LoCoConfigError(
-                f"--loco-hierarchical takes no value (a switch; 'hierarchical: true' in YAML), "
+                f"{flag('hierarchical')} takes no value (a switch; 'hierarchical: true' in YAML), "
                 f"got {self.hierarchical!r}.")
         if self.intra_node_bits not in INTRA_NODE_BITS:
             raise LoCoConfigError(
-                f"--loco-intra-node-bits {self.intra_node_bits} is not one of {INTRA_NODE_BITS}: "
+                f"{flag('intra_node_bits')} {self.intra_node_bits} is not one of {INTRA_NODE_BITS}: "
                 f"8 compresses the intra-node stage, 16 keeps it at the gradient buffer's "
                 f"precision.")
         if self.intra_node_bits != 16 and not self.hierarchical:
             raise LoCoConfigError(
-                f"--loco-intra-node-bits {self.intra_node_bits} only applies to the two-stage "
-                f"reduce-scatter: add --loco-hierarchical, or drop --loco-intra-node-bits.")
+                f"{flag('intra_node_bits')} {self.intra_node_bits} only applies to the two-stage "
+                f"reduce-scatter: add {flag('hierarchical')}, or drop {flag('intra_node_bits')}.")
         if self.error_dtype not in ERROR_DTYPES:
             raise LoCoConfigError(
-                f"--loco-error-dtype {self.error_dtype!r} is not one of {ERROR_DTYPES}."
+                f"{flag('error_dtype')} {self.error_dtype!r} is not one of {ERROR_DTYPES}."
             )
 
     @property
@@ -151,3 +208,49 @@ class LoCoConfig:
     def to_dict(self) -> Dict[str, Any]:
         """Field name -> value, for logs and checkpoint fingerprints."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+#: field name -> :class:`Setting`, in field order: the settings registry
+SETTINGS: Dict[str, Setting] = {f.name: f.metadata["loco"] for f in fields(LoCoConfig)}
+
+
+def flag(name: str) -> str:
+    """The ``--loco-*`` flag of field ``name`` (for messages)."""
+    return SETTINGS[name].flag
+
+
+def value_type(name: str) -> type:
+    """The Python type of field ``name``'s values, from its annotation (``Optional[int]`` ->
+    ``int``): the argparse ``type`` and the YAML conversion."""
+    hint = typing.get_type_hints(LoCoConfig)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def _accepted_types() -> Dict[str, Tuple[type, ...]]:
+    """Field -> accepted Python types (``None`` where the annotation is Optional, an int where a
+    float is expected); bool fields have their own check (a switch)."""
+    out = {}
+    for name in SETTINGS:
+        hint, typ = typing.get_type_hints(LoCoConfig)[name], value_type(name)
+        if typ is bool:
+            continue
+        types = (typ, int) if typ is float else (typ,)
+        out[name] = types + ((type(None),) if type(None) in typing.get_args(hint) else ())
+    return out
+
+
+def shared_settings() -> Tuple[str, ...]:
+    """Fields every rank of a data-parallel group must agree on (``Setting.shared``)."""
+    return tuple(name for name, s in SETTINGS.items() if s.shared)
+
+
+def fingerprint(config: LoCoConfig) -> Dict[str, Any]:
+    """The settings a checkpoint records with its error buffers (``Setting.checkpoint`` set)."""
+    return {name: getattr(config, name) for name, s in SETTINGS.items() if s.checkpoint}
+
+
+def fingerprint_fields(effect: str) -> Tuple[str, ...]:
+    """Fingerprint fields whose change has ``effect`` (``"reset"``, ``"convert"``,
+    ``"record"``) on resume."""
+    return tuple(name for name, s in SETTINGS.items() if s.checkpoint == effect)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One node's launch of a Megatron-LM checkout's pretrain_gpt.py with LoCo (the wrapper
-# `python -m loco_megatron.run_megatron_lm`); slurm/pretrain.sbatch runs it on every node when
+# `python -m loco_megatron.training.run_megatron_lm`); slurm/pretrain.sbatch runs it on every node when
 # MEGATRON_LM is set. Your arguments go to pretrain_gpt.py unchanged (add --loco-bits 4).
 #
 #   MEGATRON_LM=/path/to/Megatron-LM NNODES=2 NODE_RANK=0 MASTER_ADDR=host \
@@ -39,7 +39,7 @@ done
 launch=("$LOCO_PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK"
         --nproc-per-node "$NPROC" --master-addr "${MASTER_ADDR:-127.0.0.1}"
         --master-port "${MASTER_PORT:-29517}"
-        -m loco_megatron.run_megatron_lm --megatron-lm "$checkout" ${args[@]+"${args[@]}"})
+        -m loco_megatron.training.run_megatron_lm --megatron-lm "$checkout" ${args[@]+"${args[@]}"})
 if [ -n "${LOCO_DRY_RUN:-}" ]; then
   printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
   exit 0

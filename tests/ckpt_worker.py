@@ -190,7 +190,7 @@ def ckpt_worker(rank, world, tp, jobs):
     DP-sum of the errors before saving / after loading, or ``{"error": message}`` when a load
     raised.
     """
-    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from loco_megatron.training.workarounds import fix_torch_adamw_resume
 
     setup(tp, "gloo")
     fix_torch_adamw_resume()  # CPU: torch AdamW fallback (no TE/apex)

@@ -5,11 +5,11 @@ import argparse
 import pytest
 
 from loco_megatron.config import LoCoConfigError
-from loco_megatron.megatron.arguments import add_loco_args, config_from_args
+from loco_megatron.cli.flags import add_loco_args, config_from_args
 
 
 def _parse(argv):
-    from loco_megatron.megatron.yaml_config import expand_config_argv
+    from loco_megatron.cli.yaml_config import expand_config_argv
 
     return config_from_args(add_loco_args(argparse.ArgumentParser()).parse_args(
         expand_config_argv(argv)))
@@ -45,7 +45,7 @@ def _hierarchical_view(intra_bits=8):
 
     from loco_megatron.config import LoCoConfig
     from loco_megatron.layout import BucketLayout
-    from loco_megatron.megatron.ckpt_state import BucketRef, OptimizerLoCo
+    from loco_megatron.megatron.checkpoint.state import BucketRef, OptimizerLoCo
     from loco_megatron.megatron.plugin import LoCoState
 
     state = LoCoState(LoCoConfig(bits=4, block_size=8, hierarchical=True,
@@ -69,7 +69,7 @@ def _hierarchical_view(intra_bits=8):
 def test_resume_resets_hierarchical_stage_buffers(case):
     """Every resume branch that resets "the error buffers" resets the hierarchical stage
     buffers too (not only the flat key), e.g. a reload into a process that already trained."""
-    from loco_megatron.megatron.ckpt_state import apply
+    from loco_megatron.megatron.checkpoint.state import apply
 
     view = _hierarchical_view()
     ref = view.buckets[0]
@@ -113,7 +113,7 @@ def test_resume_warning_once_across_optimizer_instances(caplog):
     logged once (DP rank 0 of instance 0), not once per instance."""
     import logging
 
-    from loco_megatron.megatron.ckpt_state import apply
+    from loco_megatron.megatron.checkpoint.state import apply
 
     lines = []
     for instance in (0, 1):

@@ -238,7 +238,7 @@ def test_documented_error_state_bytes_match_the_saved_files(saved):
     """telemetry.error_state_bytes == tensor bytes in DP rank 0's torch-format LoCo file."""
     from loco_megatron.config import LoCoConfig
     from loco_megatron.layout import BucketLayout
-    from loco_megatron.megatron.telemetry import error_state_bytes
+    from loco_megatron.accounting import error_state_bytes
 
     path = glob.glob(os.path.join(saved["dp2"], "torch", "*", "loco_state_0_dp000.pt"))[0]
     state = torch.load(path, weights_only=True)

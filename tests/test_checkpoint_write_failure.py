@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from loco_megatron.megatron.ckpt_torch import write_atomically
+from loco_megatron.megatron.checkpoint.torch_format import write_atomically
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
 import resource, sys, torch
-from loco_megatron.megatron.ckpt_torch import write_atomically
+from loco_megatron.megatron.checkpoint.torch_format import write_atomically
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
 try:
     write_atomically({"x": torch.zeros(100000)}, sys.argv[1])

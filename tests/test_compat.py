@@ -25,7 +25,7 @@ def test_force_all_reduce_argument(args, kwargs, expected):
 
 def test_main_job_without_megatron_training_fails_early_naming_the_checkout_wrapper(
         monkeypatch, capsys):
-    from loco_megatron import pretrain_gpt
+    from loco_megatron.training import pretrain_gpt
 
     monkeypatch.setattr(compat, "has_megatron_training", lambda: False)
     monkeypatch.setenv("RANK", "0")
@@ -36,7 +36,7 @@ def test_main_job_without_megatron_training_fails_early_naming_the_checkout_wrap
     err = capsys.readouterr().err
     version = ".".join(map(str, compat.megatron_core_version()))
     for part in (f"megatron.training, which is not in this megatron-core {version} wheel",
-                 "python -m loco_megatron.run_megatron_lm --megatron-lm", "MEGATRON_LM="):
+                 "python -m loco_megatron.training.run_megatron_lm --megatron-lm", "MEGATRON_LM="):
         assert part in err, err
 
 

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from loco_megatron.config import LoCoConfig, LoCoConfigError
-from loco_megatron.megatron.arguments import add_loco_args, config_from_args
+from loco_megatron.cli.flags import add_loco_args, config_from_args
 
 
 @pytest.mark.parametrize("kwargs,flag", [
@@ -65,7 +65,7 @@ def test_help_lists_every_field():
 
 
 def test_preparse_reads_only_loco_flags():
-    from loco_megatron.megatron.arguments import preparse_loco_config
+    from loco_megatron.cli.preflight import preparse_loco_config
 
     argv = ["--num-layers", "4", "--loco-bits", "8", "--lr", "1e-3", "--loco-block-size", "64"]
     assert preparse_loco_config(argv) == LoCoConfig(bits=8, block_size=64)
@@ -88,7 +88,7 @@ def test_preparse_reads_only_loco_flags():
      "--ddp-reduce-scatter-with-fp32-accumulation"),
 ])
 def test_megatron_combinations_refused_at_startup(attrs, flag):
-    from loco_megatron.megatron.arguments import check_megatron_args
+    from loco_megatron.cli.preflight import check_megatron_args
 
     base = dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=1)
     args = argparse.Namespace(**{**base, **attrs})
@@ -102,7 +102,7 @@ def test_megatron_combinations_refused_at_startup(attrs, flag):
 
 
 def test_preparse_refuses_fsdp_before_megatron_starts():
-    from loco_megatron.megatron.arguments import preparse_loco_config
+    from loco_megatron.cli.preflight import preparse_loco_config
 
     with pytest.raises(LoCoConfigError, match="--use-megatron-fsdp"):
         preparse_loco_config(["--use-megatron-fsdp", "--loco-bits", "4"])
@@ -121,7 +121,7 @@ def test_preparse_refuses_fsdp_before_megatron_starts():
       "tensor_model_parallel_size": 2, "expert_model_parallel_size": 1}, False),
 ])
 def test_plain_ddp_refused_only_where_gradients_are_communicated(sizes, refused):
-    from loco_megatron.megatron.arguments import check_megatron_args, gradient_dp_size
+    from loco_megatron.cli.preflight import check_megatron_args, gradient_dp_size
 
     args = argparse.Namespace(use_distributed_optimizer=False, **sizes)
     assert (gradient_dp_size(args) > 1) == refused

@@ -154,7 +154,7 @@ def test_local_world_size_missing_or_invalid(monkeypatch, value):
     """Refused by the collective and at start-up (check_megatron_args), naming the flag."""
     import argparse
 
-    from loco_megatron.megatron.arguments import check_megatron_args
+    from loco_megatron.cli.preflight import check_megatron_args
 
     if value is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
@@ -171,9 +171,9 @@ def test_local_world_size_missing_or_invalid(monkeypatch, value):
 
 
 def test_config_flags_and_yaml(tmp_path):
-    from loco_megatron.megatron.arguments import (add_loco_args, config_from_args,
+    from loco_megatron.cli.flags import (add_loco_args, config_from_args,
                                                   explicit_loco_flags)
-    from loco_megatron.megatron.yaml_config import config_to_argv, loco_section_to_fields
+    from loco_megatron.cli.yaml_config import config_to_argv, loco_section_to_fields
     import argparse
 
     cfg = LoCoConfig(bits=4, hierarchical=True, intra_node_bits=8)
@@ -216,7 +216,7 @@ def test_megatron_gpt_two_nodes(two_nodes):
     hierarchical 4-bit trains, reduces every shard within the inter stage's bound, sums the
     intra stage at full precision, keeps an inter-stage buffer per bucket and sends exactly
     the expected bytes on each kind of link."""
-    from loco_megatron.megatron.telemetry import (_stage_error_elements,
+    from loco_megatron.accounting import (stage_error_elements,
                                                   hierarchical_bytes_per_step)
 
     steps, results = GPT_STEPS, [r["gpt"] for r in two_nodes["ranks"]]
@@ -239,7 +239,7 @@ def test_megatron_gpt_two_nodes(two_nodes):
         assert wire["intra_node_bytes"] == steps * sum(2 * lay.padded_shard * 4
                                                         for lay in loco4["layouts"])
         assert wire["calls"] == steps * len(loco4["layouts"])
-        elements = sum(_stage_error_elements(cfg, 2, 2, lay) for lay in loco4["layouts"])
+        elements = sum(stage_error_elements(cfg, 2, 2, lay) for lay in loco4["layouts"])
         assert loco4["error_bytes"] == elements + 4 * elements // cfg.block_size  # int8 + scales
 
 

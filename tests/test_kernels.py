@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from loco_megatron import kernels
+from loco_megatron.kernels.triton_kernels import triton_interpret as tk_interpret
 from loco_megatron.collectives import compensated_reduce_scatter
 from loco_megatron.compensator import Compensator, ErrorBuffer
 from loco_megatron.config import LoCoConfig
@@ -50,7 +51,7 @@ def _device(impl):
     """Where ``impl`` runs here: compiled Triton on the GPU (a machine with CUDA, no
     ``TRITON_INTERPRET``), everything else on CPU. The reference always runs on CPU, where torch
     divides like the kernels (IEEE), so GPU results are compared with it bit for bit."""
-    return "cuda" if impl == "triton" and not kernels.triton_interpret() else "cpu"
+    return "cuda" if impl == "triton" and not tk_interpret() else "cpu"
 
 
 def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None):
@@ -192,7 +193,7 @@ def test_reduce_scatter_same_result_as_reference():
     """3 gloo ranks, parameter cuts, AVG: every implementation reduces to the reference's
     shards (the C kernel always; Triton where installed and interpreted, in the clean child
     process: gloo ranks hold CPU tensors, which compiled Triton cannot read)."""
-    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and CHILD and kernels.triton_interpret()
+    impls = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and CHILD and tk_interpret()
                                 else [])
     for outs in run_ranks(_reduce_worker, 3, impls):
         for impl in impls[1:]:
@@ -357,7 +358,7 @@ def test_compress_randomized_differential(impl, seeds):
     bf16 -> fp32 conversion flushes them (a GPU's ``cvt.f32.bf16`` is exact)."""
     for seed in seeds:
         case = _random_case(seed)
-        if impl == "triton" and kernels.triton_interpret() and case["dtype"] == torch.bfloat16 \
+        if impl == "triton" and tk_interpret() and case["dtype"] == torch.bfloat16 \
                 and case["kind"] in ("denormal", "tiny"):
             continue
         for step, (r, g) in enumerate(zip(_run_case("torch", case), _run_case(impl, case))):

@@ -1,4 +1,4 @@
-"""``python -m loco_megatron.run_megatron_lm``: a Megatron-LM ``pretrain_gpt.py`` run with LoCo.
+"""``python -m loco_megatron.training.run_megatron_lm``: a Megatron-LM ``pretrain_gpt.py`` run with LoCo.
 
 (a) Without any checkout (CI): "checkouts" holding only a ``pretrain_gpt.py`` written here, in
 each entry-point style, running the installed megatron-core 0.19 ``megatron.training``.
@@ -16,13 +16,13 @@ import types
 
 import pytest
 
-from loco_megatron.megatron import lm_hooks
-from loco_megatron.run_megatron_lm import CheckoutError, resolve_checkout, split_argv
+from loco_megatron.training import argument_hooks as lm_hooks
+from loco_megatron.training.run_megatron_lm import CheckoutError, resolve_checkout, split_argv
 
 from .megatron_lm_checkouts import (CPU_FLAGS, ROOT, TINY_GPT, real_checkout,
                                     real_checkout_params, torchrun)
 
-WRAPPER = ["-m", "loco_megatron.run_megatron_lm"]
+WRAPPER = ["-m", "loco_megatron.training.run_megatron_lm"]
 LOCO_LINE = ("> LoCo active: 4-bit compensated reduce-scatter, block 256, err-beta 0.8, reset "
              "every 1024 steps, error storage int8; kernels cpu (auto); on CPU ranks (CUDA "
              "emulation, gloo)")
@@ -33,7 +33,7 @@ _HEAD = """
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from loco_megatron.pretrain_gpt import (forward_step, model_provider,
+    from loco_megatron.training.pretrain_gpt import (forward_step, model_provider,
                                             train_valid_test_datasets_provider)
 
 
@@ -177,9 +177,13 @@ def test_rebind_reaches_names_imported_before_the_hook(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.fake_arguments", defining)
     monkeypatch.setitem(sys.modules, "megatron.fake_initialize", importer)
     monkeypatch.setitem(sys.modules, "someone_else", outsider)
-    lm_hooks._rebind(parse_args, lambda: "hooked")
-    assert defining.parse_args() == importer.parse_args() == "hooked"
-    assert outsider.parse_args is parse_args
+    from loco_megatron.patching import PatchSet
+
+    with PatchSet("test-rebind").applied() as patches:
+        lm_hooks._rebind(patches, parse_args, lambda: "hooked")
+        assert defining.parse_args() == importer.parse_args() == "hooked"
+        assert outsider.parse_args is parse_args
+    assert defining.parse_args() == importer.parse_args() == "stock"
 
 
 @pytest.mark.parametrize("which", real_checkout_params())

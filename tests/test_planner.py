@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from loco_megatron.cli import main
+from loco_megatron.cli.command import main
 from loco_megatron.config import LoCoConfig
 from loco_megatron.layout import BucketLayout
-from loco_megatron.megatron.telemetry import hierarchical_bytes_per_step
+from loco_megatron.accounting import hierarchical_bytes_per_step
 from loco_megatron.planner import costs
 from loco_megatron.planner.buckets import buffer_buckets, gpu_buckets
 from loco_megatron.planner.cluster import GBIT, ClusterSpec, GroupSpread, ParallelSpec

@@ -4,7 +4,7 @@ LoCo's checkpointed state is keyed by DP group. Saved at TP1 x DP4 and resumed a
 TP rank 0 found a layout it could not map and TP rank 1 found nothing; their step counters
 differed, so the periodic reset fell on different steps on the two TP ranks and the
 TP-replicated parameters (LayerNorms, row-parallel biases) drifted apart. Now the load is
-agreed over every rank (loco_megatron/megatron/ckpt_agree.py): one true message, equal
+agreed over every rank (loco_megatron/megatron/checkpoint/agree.py): one true message, equal
 counters, replicas bit-identical at every step for more than two reset intervals.
 torch_dist with the fully reshardable optimizer format (``--dist-ckpt-optim-fully-
 reshardable``, which stock megatron-core needs for a TP change).

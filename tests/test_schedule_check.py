@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loco_megatron.megatron.schedule import ScheduleError, check_lr_schedule
+from loco_megatron.cli.schedule import ScheduleError, check_lr_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ def _expected(node_rank: int, nnodes: int, gpus: int, out_dir: str):
     """What run_pretrain.sh must launch on one node (GPU flags; TE absent on this machine)."""
     return [".venv/bin/python", "-m", "torch.distributed.run", "--nnodes", str(nnodes),
             "--node-rank", str(node_rank), "--nproc-per-node", str(gpus), "--master-addr",
-            "gpu-a001", "--master-port", "29517", "-m", "loco_megatron.pretrain_gpt",
+            "gpu-a001", "--master-port", "29517", "-m", "loco_megatron.training.pretrain_gpt",
             "--distributed-backend", "nccl", "--transformer-impl", "local",
             "--no-gradient-accumulation-fusion",
             "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
@@ -75,7 +75,7 @@ def test_dry_run_megatron_lm_checkout_2_nodes_x_8_gpus(tmp_path):
     assert commands == [
         [f"{ROOT}/.venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2",
          "--node-rank", str(rank), "--nproc-per-node", "8", "--master-addr", "gpu-a001",
-         "--master-port", "29517", "-m", "loco_megatron.run_megatron_lm", "--megatron-lm",
+         "--master-port", "29517", "-m", "loco_megatron.training.run_megatron_lm", "--megatron-lm",
          str(checkout), *flags, "--config", f"{ROOT}/configs/tiny_cpu.yaml"] for rank in (0, 1)]
 
 

@@ -9,6 +9,15 @@ from .markers import requires_megatron_training
 pytestmark = requires_megatron_training
 
 
+@pytest.fixture(autouse=True)
+def _workarounds_removed(monkeypatch):  # removed before monkeypatch undoes its own
+    """Each test applies its workaround on megatron as the test left it; removed afterwards."""
+    yield
+    from loco_megatron.training import workarounds
+
+    workarounds.remove()
+
+
 @pytest.mark.parametrize("flags,expect_dummy_step", [
     ({}, True),                       # resuming: states must exist before megatron builds the load template
     ({"finetune": True}, False),      # optimizer state is not loaded: no dummy Adam step
@@ -20,7 +29,7 @@ def test_dummy_optimizer_states_only_when_the_optimizer_is_loaded(tmp_path, monk
     import megatron.training
     import megatron.training.training as training
 
-    from loco_megatron.megatron import training_fixes
+    from loco_megatron.training import workarounds as training_fixes
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
     args = SimpleNamespace(**{"load": str(tmp_path), "finetune": False, "no_load_optim": False,

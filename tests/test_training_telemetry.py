@@ -5,7 +5,7 @@ import pytest
 
 import loco_megatron
 from loco_megatron.config import LoCoConfig
-from loco_megatron.megatron import training_telemetry
+from loco_megatron.training import iteration_log as training_telemetry
 
 from .multiproc import run_ranks
 

@@ -1,4 +1,4 @@
-"""YAML run configs: ``--config FILE`` (loco_megatron.megatron.yaml_config), precedence
+"""YAML run configs: ``--config FILE`` (loco_megatron.cli.yaml_config), precedence
 CLI > YAML > defaults, errors naming file and key, Megatron-LM's ``--yaml-cfg`` ``loco:`` section,
 and the tiny CPU config end to end through run_pretrain.sh."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from loco_megatron.config import LoCoConfig, LoCoConfigError
-from loco_megatron.megatron.arguments import FLAGS, add_loco_args, config_from_args
-from loco_megatron.megatron.yaml_config import config_to_argv, expand_config_argv, loco_keys
+from loco_megatron.cli.flags import FLAGS, add_loco_args, config_from_args
+from loco_megatron.cli.yaml_config import config_to_argv, expand_config_argv, loco_keys
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def test_missing_file_and_missing_argument(tmp_path):
 def test_command_line_tools_report_the_error_and_exit_2(tmp_path):
     bad = _write(tmp_path, "loco:\n  bitz: 4\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for module in ("loco_megatron.megatron.yaml_config", "loco_megatron.pretrain_gpt"):
+    for module in ("loco_megatron.cli.yaml_config", "loco_megatron.training.pretrain_gpt"):
         proc = subprocess.run([sys.executable, "-m", module, "--config", bad], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr

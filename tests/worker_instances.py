@@ -75,7 +75,7 @@ def train_instances(mode: str, overlap: bool, steps: int, check_steps=(0, 3), ck
 def instances_worker(rank, world, steps, ckpt_dir):
     """stock, bits16 and loco4 with overlap off and on; the last loco4 run saves a checkpoint."""
     from loco_megatron.emulation import activate
-    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from loco_megatron.training.workarounds import fix_torch_adamw_resume
     from megatron.core import parallel_state as ps
 
     activate()

@@ -23,7 +23,7 @@ def main(rank: int, world: int, out_dir: str, timeout_s: float) -> None:
     dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_s))
     import loco_megatron
-    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from loco_megatron.training.workarounds import fix_torch_adamw_resume
     from tests.ckpt_worker import errors, save
     from tests.megatron_worker import build_gpt, forward_backward, setup
 

@@ -160,7 +160,7 @@ def moe_worker(rank, world, overlap, steps, ckpt_dir):
     and resumed from each (tests/worker_resume.py). Returns the three runs' results and the
     resume comparison under ``"ckpt"`` (dense and expert buffers separately)."""
     import loco_megatron
-    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from loco_megatron.training.workarounds import fix_torch_adamw_resume
     from tests.worker_resume import save_then_resume
 
     setup_moe()
@@ -185,7 +185,7 @@ def corrupt_load_worker(rank, world, ckpt_dir, optimizer_index, dp_file):
     LoCo file of optimizer ``optimizer_index`` (``dp_file``: e.g. ``dp003``, in EP rank 1's
     directory) and load on every rank. Returns the load's error message (None: it loaded)."""
     import loco_megatron
-    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from loco_megatron.training.workarounds import fix_torch_adamw_resume
     from tests import ckpt_worker
 
     setup_moe()

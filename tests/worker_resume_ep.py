@@ -30,7 +30,7 @@ def ep_resume_worker(rank, world, ep, phase, ckpt_dir, config, steps):
     """``phase`` "save": train ``steps`` and save; "load": load, then train ``steps``."""
     import loco_megatron
     import tests.worker_moe as wm
-    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from loco_megatron.training.workarounds import fix_torch_adamw_resume
 
     wm.EP = ep
     wm.setup_moe()

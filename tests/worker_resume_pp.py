@@ -16,7 +16,7 @@ from tests.worker_pipeline import (MICRO_BATCH, MICROBATCHES, SEQ, _microbatches
 
 def _setup(pp):
     from loco_megatron.emulation import activate
-    from loco_megatron.megatron.training_fixes import fix_torch_adamw_resume
+    from loco_megatron.training.workarounds import fix_torch_adamw_resume
     from megatron.core import parallel_state as ps
 
     activate()

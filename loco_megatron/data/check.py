@@ -7,7 +7,7 @@ with megatron-core's own index reader
 (``megatron.core.datasets.indexed_dataset._IndexReader``; blends parsed by
 the blend format of ``megatron.core.datasets.utils.get_blend_from_list``) in about a second and raises a
 :class:`DataPathError` naming the flag, the file and what to do. ``run_pretrain.sh`` runs it
-through ``python -m loco_megatron.megatron.arguments``.
+through ``python -m loco_megatron.cli.preflight``.
 """
 
 import argparse

@@ -32,6 +32,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from ..patching import PatchSet
+
 _TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
     "torch.HalfTensor": "torch.cuda.HalfTensor",
@@ -167,7 +169,9 @@ class _DeviceProperties:
 
 
 _DEVICE_PROPERTIES = _DeviceProperties()
-_state = {"mode": None, "saved": [], "in_fork": 0}
+#: name of the emulation's :class:`~loco_megatron.patching.PatchSet`
+PATCH_SET = "loco-cpu-emulation"
+_state = {"mode": None, "patches": None, "in_fork": 0}
 
 
 def is_active() -> bool:
@@ -176,8 +180,7 @@ def is_active() -> bool:
 
 
 def _patch(obj, name, value):
-    _state["saved"].append((obj, name, getattr(obj, name, None)))
-    setattr(obj, name, value)
+    _state["patches"].replace(obj, name, value)
 
 
 def activate() -> None:
@@ -193,59 +196,65 @@ def activate() -> None:
     import torch.cuda.random as cuda_random
     import torch.utils.data as tud
 
-    cuda = torch.cuda
-    for name, value in {
-        "is_available": lambda: True,
-        "device_count": lambda: 1,
-        "current_device": lambda: 0,
-        "set_device": lambda *a, **k: None,
-        "synchronize": lambda *a, **k: None,
-        "empty_cache": lambda: None,
-        "Stream": _Stream,
-        "Event": _Event,
-        "current_stream": lambda *a, **k: _Stream(),
-        "default_stream": lambda *a, **k: _Stream(),
-        "stream": lambda s=None: contextlib.nullcontext(),
-        "is_current_stream_capturing": lambda: False,  # no CUDA graphs (MoE router, dynamo)
-        "manual_seed": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
-        "manual_seed_all": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
-        "get_rng_state": lambda device="cuda": CUDA_GENERATOR.get_state(),
-        "set_rng_state": lambda new_state, device="cuda": CUDA_GENERATOR.set_state(new_state),
-        "default_generators": (CUDA_GENERATOR,),
-        "_lazy_call": lambda callable, **kwargs: callable(),
-        "memory_allocated": lambda *a, **k: 0,
-        "max_memory_allocated": lambda *a, **k: 0,
-        "memory_reserved": lambda *a, **k: 0,
-        "max_memory_reserved": lambda *a, **k: 0,
-        "reset_peak_memory_stats": lambda *a, **k: None,
-        "get_device_name": lambda *a, **k: "cpu (CUDA emulation)",
-        "get_device_capability": lambda *a, **k: (8, 0),
-        "get_device_properties": lambda *a, **k: _DEVICE_PROPERTIES,
-    }.items():
-        _patch(cuda, name, value)
-    for name in ("get_rng_state", "set_rng_state", "manual_seed"):
-        _patch(cuda_random, name, getattr(cuda, name))
-    mcore_random = sys.modules.get("megatron.core.tensor_parallel.random")
-    if mcore_random is not None:  # imported before activation: it holds its own _lazy_call
-        _patch(mcore_random, "_lazy_call", cuda._lazy_call)
-    from ..megatron.compat import tensor_parallel_random_module
+    _state["patches"] = PatchSet(PATCH_SET)
+    try:
+        cuda = torch.cuda
+        for name, value in {
+            "is_available": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": lambda *a, **k: None,
+            "synchronize": lambda *a, **k: None,
+            "empty_cache": lambda: None,
+            "Stream": _Stream,
+            "Event": _Event,
+            "current_stream": lambda *a, **k: _Stream(),
+            "default_stream": lambda *a, **k: _Stream(),
+            "stream": lambda s=None: contextlib.nullcontext(),
+            "is_current_stream_capturing": lambda: False,  # no CUDA graphs (MoE router, dynamo)
+            "manual_seed": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
+            "manual_seed_all": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
+            "get_rng_state": lambda device="cuda": CUDA_GENERATOR.get_state(),
+            "set_rng_state": lambda new_state, device="cuda": CUDA_GENERATOR.set_state(new_state),
+            "default_generators": (CUDA_GENERATOR,),
+            "_lazy_call": lambda callable, **kwargs: callable(),
+            "memory_allocated": lambda *a, **k: 0,
+            "max_memory_allocated": lambda *a, **k: 0,
+            "memory_reserved": lambda *a, **k: 0,
+            "max_memory_reserved": lambda *a, **k: 0,
+            "reset_peak_memory_stats": lambda *a, **k: None,
+            "get_device_name": lambda *a, **k: "cpu (CUDA emulation)",
+            "get_device_capability": lambda *a, **k: (8, 0),
+            "get_device_properties": lambda *a, **k: _DEVICE_PROPERTIES,
+        }.items():
+            _patch(cuda, name, value)
+        for name in ("get_rng_state", "set_rng_state", "manual_seed"):
+            _patch(cuda_random, name, getattr(cuda, name))
+        mcore_random = sys.modules.get("megatron.core.tensor_parallel.random")
+        if mcore_random is not None:  # imported before activation: it holds its own _lazy_call
+            _patch(mcore_random, "_lazy_call", cuda._lazy_call)
+        from ..megatron.compat import tensor_parallel_random_module
 
-    mcore_random = tensor_parallel_random_module()
-    if mcore_random is not None:  # random fills inside fork() are device ops
-        tracker = mcore_random.CudaRNGStatesTracker
-        _patch(tracker, "fork", _counting_fork(tracker.fork))
-    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_rng_warning_filter)
-    _patch(torch.accelerator, "current_accelerator", lambda check_available=False: None)
-    _patch(torch.accelerator, "is_available", lambda: False)
-    loader_init = tud.DataLoader.__init__
+        mcore_random = tensor_parallel_random_module()
+        if mcore_random is not None:  # random fills inside fork() are device ops
+            tracker = mcore_random.CudaRNGStatesTracker
+            _patch(tracker, "fork", _counting_fork(tracker.fork))
+        logging.getLogger("megatron.core.tensor_parallel.random").addFilter(_rng_warning_filter)
+        _patch(torch.accelerator, "current_accelerator", lambda check_available=False: None)
+        _patch(torch.accelerator, "is_available", lambda: False)
+        loader_init = tud.DataLoader.__init__
 
-    def _loader_init(self, *args, **kwargs):
-        kwargs["pin_memory"] = False
-        loader_init(self, *args, **kwargs)
+        def _loader_init(self, *args, **kwargs):
+            kwargs["pin_memory"] = False
+            loader_init(self, *args, **kwargs)
 
-    _patch(tud.DataLoader, "__init__", _loader_init)
-    _patch(torch.autograd.function.BackwardCFunction, "apply",
-           _in_mode(torch.autograd.function.BackwardCFunction.apply))
+        _patch(tud.DataLoader, "__init__", _loader_init)
+        _patch(torch.autograd.function.BackwardCFunction, "apply",
+               _in_mode(torch.autograd.function.BackwardCFunction.apply))
+    except BaseException:  # nothing half-applied
+        _state["patches"].restore()
+        _state["patches"] = None
+        raise
     mode = CpuAsCudaMode()
     mode.__enter__()
     _state["mode"] = mode
@@ -283,9 +292,8 @@ def deactivate() -> None:
         return
     _state["mode"].__exit__(None, None, None)
     _state["mode"] = None
-    for obj, name, value in reversed(_state["saved"]):
-        setattr(obj, name, value)
-    _state["saved"].clear()
+    _state["patches"].restore()  # deletes what did not exist before
+    _state["patches"] = None
 
 
 def activate_if_no_gpu() -> bool:

@@ -29,7 +29,6 @@ communication, and megatron's NaN check and fp16 loss scaler see it. Finite bloc
 bucket update as usual (RELIABILITY.md).
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -38,12 +37,7 @@ from ..config import KERNEL_CHOICES
 from .block_table import BlockTable, block_table
 
 __all__ = ["KERNEL_CHOICES", "BlockTable", "block_table", "select", "compress_bucket",
-           "decompress_shard", "triton_interpret"]
-
-
-def triton_interpret() -> bool:
-    """True when ``TRITON_INTERPRET=1``: Triton kernels then run on CPU tensors (slowly)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+           "decompress_shard"]
 
 
 def select(choice: str, tensor: torch.Tensor) -> str:

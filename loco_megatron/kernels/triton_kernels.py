@@ -9,6 +9,7 @@ error (stores of the old codes/scale or values; zero on a reset step) and is cou
 counter, without a host sync.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -20,9 +21,13 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
 from ..quantization import max_scale
-from . import triton_interpret
 
 ROWS = 8  # blocks per program
+
+
+def triton_interpret() -> bool:
+    """True when ``TRITON_INTERPRET=1``: Triton kernels then run on CPU tensors (slowly)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def unavailable_reason(tensor: torch.Tensor) -> Optional[str]:

@@ -34,7 +34,7 @@ from typing import Dict, Tuple
 #: first megatron-core wheel that ships ``megatron.training``
 FIRST_WITH_TRAINING = (0, 17)
 #: the wrapper that runs a Megatron-LM checkout's own ``pretrain_gpt.py`` with LoCo
-CHECKOUT_WRAPPER = "python -m loco_megatron.run_megatron_lm --megatron-lm /path/to/Megatron-LM"
+CHECKOUT_WRAPPER = "python -m loco_megatron.training.run_megatron_lm --megatron-lm /path/to/Megatron-LM"
 
 
 def megatron_core_version() -> tuple:
@@ -59,7 +59,7 @@ def has_megatron_training() -> bool:
         return False
 
 
-def missing_megatron_training(entry: str = "loco_megatron.pretrain_gpt"):
+def missing_megatron_training(entry: str = "loco_megatron.training.pretrain_gpt"):
     """None when ``megatron.training`` is importable, else the message saying what to do: the
     installed megatron-core version and the Megatron-LM checkout wrapper to use instead."""
     if has_megatron_training():
@@ -72,7 +72,7 @@ def missing_megatron_training(entry: str = "loco_megatron.pretrain_gpt"):
             f"3.12 (bash install.sh).")
 
 
-def require_megatron_training(entry: str = "loco_megatron.pretrain_gpt") -> None:
+def require_megatron_training(entry: str = "loco_megatron.training.pretrain_gpt") -> None:
     """Fail early when ``megatron.training`` (the main job's training loop) is missing.
 
     Raises:

@@ -45,12 +45,6 @@ import weakref
 import torch
 
 
-def _state():
-    from .plugin import get_state
-
-    return get_state()
-
-
 class LossScaleTracker:
     """What the ``update`` hooks of one install did (``LoCoState.loss_scale``).
 
@@ -98,22 +92,21 @@ class LossScaleTracker:
         self.scale = after
 
 
-def _wrap_update(orig):
+def _wrap_update(orig, state):
     @functools.wraps(orig)
     def update(self, found_inf):
         before = self.scale
         result = orig(self, found_inf)
-        state = _state()
-        if state is not None and state.active:
+        if state.active:
             state.loss_scale.after_update(state.compensator, self, before, bool(found_inf))
         return result
     return update
 
 
-def patches():
+def patches(state):
     """``[(owner, attribute, wrapper factory)]`` that :func:`loco_megatron.install` applies when
-    LoCo is active. ``megatron.core.optimizer.grad_scaler`` has the same classes in 0.13-0.19."""
+    LoCo is active; the wrappers act on ``state`` (the install's ``LoCoState``). ``megatron.core.optimizer.grad_scaler`` has the same classes in 0.13-0.19."""
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
-    return [(DynamicGradScaler, "update", _wrap_update),
-            (ConstantGradScaler, "update", _wrap_update)]
+    wrap = functools.partial(_wrap_update, state=state)
+    return [(DynamicGradScaler, "update", wrap), (ConstantGradScaler, "update", wrap)]

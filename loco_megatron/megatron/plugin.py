@@ -15,6 +15,7 @@ Buckets get stable ids ``(model chunk, buffer index, bucket index)`` when
 buffers as ``ddp.buffers + ddp.expert_parallel_buffers``.
 """
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -30,8 +31,10 @@ from ..config import LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
 from ..metrics import StepMetrics
 from ..nonfinite import NonfiniteMonitor
-from . import ckpt_hooks, compat, loss_scale
-from .telemetry import log_chunk_layout, log_hierarchical_topology
+from ..patching import PatchSet
+from . import compat, loss_scale
+from .checkpoint import hooks as ckpt_hooks
+from .report import log_chunk_layout, log_hierarchical_topology
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +73,8 @@ class LoCoState:
         self.loss_scale = loss_scale.LossScaleTracker()
         #: megatron-core's ``dist_reduce_scatter_func`` as found at install (LoCo active)
         self.stock_reduce_scatter = None
-        self._originals = {}
+        #: what this install replaced in megatron-core (:class:`~loco_megatron.patching.PatchSet`)
+        self.patches: Optional[PatchSet] = None
 
     def enable_metrics(self) -> StepMetrics:
         """Start collecting :class:`~loco_megatron.metrics.StepMetrics` (LoCo active only);
@@ -100,6 +104,8 @@ class LoCoState:
 
 
 _STATE: Optional[LoCoState] = None
+#: name of the :class:`~loco_megatron.patching.PatchSet` of an install
+PATCH_SET = "loco"
 _GENERATIONS = itertools.count()
 
 
@@ -263,7 +269,7 @@ def install(config: LoCoConfig) -> LoCoState:
     """Route megatron-core's distributed-optimizer gradient reduce-scatter through LoCo.
 
     Call before the model is wrapped in ``DistributedDataParallel``. Also routes the
-    distributed optimizer's checkpoint calls through :mod:`loco_megatron.megatron.ckpt_hooks`,
+    distributed optimizer's checkpoint calls through :mod:`loco_megatron.megatron.checkpoint.hooks`,
     so error buffers are saved and restored with the optimizer state, and megatron-core's fp16
     grad scalers' ``update`` through :mod:`loco_megatron.megatron.loss_scale` (an overflow step
     clears the error buffers, a loss-scale change rescales them). With ``config.bits``
@@ -274,7 +280,7 @@ def install(config: LoCoConfig) -> LoCoState:
     layout: RELIABILITY.md). That check runs only on bucket groups that reduce-scatter (the
     distributed optimizer): plain DDP, ``overlap_param_gather`` without the distributed
     optimizer and DP size 1 see no LoCo collective at all. Checkpoint loads are decided on
-    every rank together (:mod:`loco_megatron.megatron.ckpt_agree`).
+    every rank together (:mod:`loco_megatron.megatron.checkpoint.agree`).
 
     Returns:
         the :class:`LoCoState` (also available from :func:`get_state`).
@@ -296,14 +302,17 @@ def install(config: LoCoConfig) -> LoCoState:
         state.stock_reduce_scatter = current
     # DDP construction: with LoCo off only the bits agreement check (one all_gather_object per
     # DP group at start-up; gradients untouched)
-    targets = ckpt_hooks.patches() + [(compat.ddp_class(), "__init__", _wrap_ddp_init)]
+    targets = ckpt_hooks.patches(state) + [(compat.ddp_class(), "__init__", _wrap_ddp_init)]
     if state.active:
         targets += [(compat.bucket_group_class(), "start_grad_sync", _wrap_start_grad_sync)]
-        targets += loss_scale.patches()  # fp16: overflow clears, scale changes rescale errors
-    for owner, name, wrap in targets:
-        original = getattr(owner, name)
-        state._originals[(owner, name)] = original
-        setattr(owner, name, wrap(original))
+        targets += loss_scale.patches(state)  # fp16: overflow clears, scale changes rescale errors
+    state.patches = PatchSet(PATCH_SET)
+    try:
+        for owner, name, wrap in targets:
+            state.patches.wrap(owner, name, wrap)
+    except BaseException:
+        state.patches.restore()
+        raise
     _STATE = state
     return state
 
@@ -316,7 +325,28 @@ def uninstall() -> None:
     global _STATE
     if _STATE is None:
         return
-    for (owner, name), fn in reversed(list(_STATE._originals.items())):
-        setattr(owner, name, fn)
-    ckpt_hooks.forget_pending_loads()
-    _STATE = None
+    state, _STATE = _STATE, None
+    try:
+        state.patches.restore()
+    finally:
+        ckpt_hooks.forget_pending_loads()
+
+
+@contextlib.contextmanager
+def installed(config: LoCoConfig):
+    """``with installed(LoCoConfig(bits=4)) as state: ...``: :func:`install` for the block,
+    :func:`uninstall` when it ends, also when it raises (as TransformerEngine's
+    ``fp8_autocast`` restores its global state in ``finally``).
+
+    Yields:
+        the :class:`LoCoState`.
+
+    Raises:
+        RuntimeError, LoCoConfigError: as :func:`install`.
+    """
+    state = install(config)
+    try:
+        yield state
+    finally:
+        if _STATE is state:
+            uninstall()

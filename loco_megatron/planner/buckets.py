@@ -10,9 +10,9 @@ size ``max(4e7, 1e6 * DP)`` elements; one bucket per buffer without ``overlap_gr
 
 Bytes and memory use LoCo's own formulas on LoCo's own block layout
 (:class:`~loco_megatron.layout.BucketLayout`, cut at every parameter start and end as the
-plugin cuts it): :func:`~loco_megatron.megatron.telemetry.expected_bytes_per_step`,
-:func:`~loco_megatron.megatron.telemetry.hierarchical_bytes_per_step`,
-:func:`~loco_megatron.megatron.telemetry.error_state_bytes`.
+plugin cuts it): :func:`~loco_megatron.megatron.report.expected_bytes_per_step`,
+:func:`~loco_megatron.megatron.report.hierarchical_bytes_per_step`,
+:func:`~loco_megatron.accounting.error_state_bytes`.
 """
 
 import math
@@ -21,8 +21,8 @@ from typing import List, Optional, Tuple
 
 from ..config import LoCoConfig
 from ..layout import BucketLayout
-from ..megatron.telemetry import (_stage_error_elements, error_state_bytes,
-                                  expected_bytes_per_step, hierarchical_bytes_per_step)
+from ..accounting import (error_state_bytes, expected_bytes_per_step,
+                          hierarchical_bytes_per_step, stage_error_elements)
 from ..quantization import wire_bytes
 from .cluster import GroupSpread
 from .model import Param
@@ -143,7 +143,7 @@ def bucket_bytes(bucket: Bucket, grad_elem: int, bits: int, block_size: int,
     M, L = bucket.group.nodes, bucket.group.per_node
     if hierarchical:
         intra, inter = hierarchical_bytes_per_step(cfg, M, L, [(lay, grad_elem)])
-        n = _stage_error_elements(cfg, M, L, lay)
+        n = stage_error_elements(cfg, M, L, lay)
         error = n + 4 * (n // block_size)
     else:
         intra = inter = 0

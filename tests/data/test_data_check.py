@@ -95,7 +95,7 @@ def test_damaged_files_are_named(dataset, tmp_path, damage, expected):
 def test_launcher_check_exits_2_with_one_line(tmp_path):
     """What run_pretrain.sh runs before preparing data or starting ranks."""
     missing = str(tmp_path / "nope")
-    proc = subprocess.run([sys.executable, "-m", "loco_megatron.megatron.arguments",
+    proc = subprocess.run([sys.executable, "-m", "loco_megatron.cli.preflight",
                            "--data-path", missing, "--loco-bits", "4"], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                           text=True, timeout=120)

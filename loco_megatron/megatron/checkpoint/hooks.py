@@ -18,38 +18,28 @@ state is ignored; nothing is saved and training is untouched.
 
 import functools
 
-from . import ckpt_agree, ckpt_dist, ckpt_torch, compat
-from .ckpt_state import OptimizerLoCo
+from .. import compat
+from . import agree, dist_format, torch_format
+from .state import OptimizerLoCo
 
 
-def _state():
-    from .plugin import get_state
-
-    return get_state()
-
-
-def _view(optimizer):
-    state = _state()
-    return None if state is None else OptimizerLoCo(optimizer, state)
-
-
-def _wrap_sharded_state_dict(orig):
+def _wrap_sharded_state_dict(orig, state):
     @functools.wraps(orig)
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
         if model_sharded_state_dict is None:
             model_sharded_state_dict = {}
         result = orig(self, model_sharded_state_dict, is_loading, *args, **kwargs)
-        view = _view(self)
+        view = OptimizerLoCo(self, state)
         sharding = (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type")
-        if (view is None or not isinstance(result, dict) or sharding == "fsdp_dtensor"
+        if (not isinstance(result, dict) or sharding == "fsdp_dtensor"
                 or (not is_loading and not view.state.active)):
             return result
-        result["loco"] = ckpt_dist.sharded_entry(view, is_loading)
+        result["loco"] = dist_format.sharded_entry(view, is_loading)
         return result
     return sharded_state_dict
 
 
-def _wrap_load_state_dict(orig):
+def _wrap_load_state_dict(orig, state):
     @functools.wraps(orig)
     def load_state_dict(self, state_dict):
         entry = None
@@ -57,9 +47,9 @@ def _wrap_load_state_dict(orig):
             entry = state_dict["loco"]
             state_dict = {k: v for k, v in state_dict.items() if k != "loco"}
         result = orig(self, state_dict)
-        view = _view(self)
-        if entry is not None and view is not None:
-            ckpt_dist.load_entry(view, entry)
+        view = OptimizerLoCo(self, state)
+        if entry is not None:
+            dist_format.load_entry(view, entry)
         return result
     return load_state_dict
 
@@ -71,33 +61,29 @@ def _distributed_optimizers(optimizer):
             and not getattr(opt, "is_stub_optimizer", False)]
 
 
-def _wrap_save_parameter_state(orig, chained: bool):
+def _wrap_save_parameter_state(orig, state, chained: bool):
     @functools.wraps(orig)
     def save_parameter_state(self, filename):
         orig(self, filename)
         if chained and len(self.chained_optimizers) == 1:
             return  # delegated to the DistributedOptimizer's own (wrapped) method
         for index, opt in _distributed_optimizers(self):
-            view = _view(opt)
-            if view is not None:
-                ckpt_torch.save(view, filename, index)
+            torch_format.save(OptimizerLoCo(opt, state), filename, index)
     return save_parameter_state
 
 
-def _wrap_load_parameter_state(orig, chained: bool):
+def _wrap_load_parameter_state(orig, state, chained: bool):
     @functools.wraps(orig)
     def load_parameter_state(self, filename, *args, **kwargs):
-        with ckpt_agree.load_round():  # every rank: one decision (ckpt_agree)
+        with agree.load_round():  # every rank: one decision (checkpoint.agree)
             result = orig(self, filename, *args, **kwargs)
             if chained and len(self.chained_optimizers) == 1:
                 return result
             first_error = None
             for index, opt in _distributed_optimizers(self):
-                view = _view(opt)
-                if view is None:
-                    continue
+                view = OptimizerLoCo(opt, state)
                 try:  # each load starts with a collective over its DP group: a rank that
-                    ckpt_torch.load(view, filename, index)  # failed still joins the next ones
+                    torch_format.load(view, filename, index)  # failed still joins the next ones
                 except Exception as e:  # noqa: BLE001 - re-raised below, after all of them
                     first_error = first_error or e
             if first_error is not None:
@@ -106,37 +92,39 @@ def _wrap_load_parameter_state(orig, chained: bool):
     return load_parameter_state
 
 
-def _wrap_dist_load(orig):
+def _wrap_dist_load(orig, state):
     @functools.wraps(orig)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        if not ckpt_dist.resolve_requests(sharded_state_dict, checkpoint_dir):
+        if not dist_format.resolve_requests(sharded_state_dict, checkpoint_dir):
             return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        # every rank: the LoCo entries applied at once, one decision (ckpt_agree)
-        with ckpt_agree.load_round(kwargs.get("process_group")):
+        # every rank: the LoCo entries applied at once, one decision (checkpoint.agree)
+        with agree.load_round(kwargs.get("process_group")):
             loaded = orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-            ckpt_dist.apply_loaded(loaded)
+            dist_format.apply_loaded(loaded)
         return loaded
     return load
 
 
 def forget_pending_loads() -> None:
     """Drop the optimizers of load templates that were never loaded (called by uninstall)."""
-    ckpt_dist.PENDING_LOADS.clear()
+    dist_format.PENDING_LOADS.clear()
 
 
-def patches():
-    """``[(owner, attribute, wrapper factory)]`` that :func:`loco_megatron.install` applies."""
+def patches(state):
+    """``[(owner, attribute, wrapper factory)]`` that :func:`loco_megatron.install` applies;
+    the wrappers act on ``state`` (the install's ``LoCoState``)."""
     DistributedOptimizer = compat.distributed_optimizer_class()
     ChainedOptimizer = compat.chained_optimizer_class()
+    def bind(wrap, **kwargs):
+        return functools.partial(wrap, state=state, **kwargs)
+
     return [
-        (DistributedOptimizer, "sharded_state_dict", _wrap_sharded_state_dict),
-        (DistributedOptimizer, "load_state_dict", _wrap_load_state_dict),
+        (DistributedOptimizer, "sharded_state_dict", bind(_wrap_sharded_state_dict)),
+        (DistributedOptimizer, "load_state_dict", bind(_wrap_load_state_dict)),
         (DistributedOptimizer, "save_parameter_state",
-         functools.partial(_wrap_save_parameter_state, chained=False)),
+         bind(_wrap_save_parameter_state, chained=False)),
         (DistributedOptimizer, "load_parameter_state",
-         functools.partial(_wrap_load_parameter_state, chained=False)),
-        (ChainedOptimizer, "save_parameter_state",
-         functools.partial(_wrap_save_parameter_state, chained=True)),
-        (ChainedOptimizer, "load_parameter_state",
-         functools.partial(_wrap_load_parameter_state, chained=True)),
-    ] + [(owner, "load", _wrap_dist_load) for owner in compat.dist_checkpointing_load_owners()]
+         bind(_wrap_load_parameter_state, chained=False)),
+        (ChainedOptimizer, "save_parameter_state", bind(_wrap_save_parameter_state, chained=True)),
+        (ChainedOptimizer, "load_parameter_state", bind(_wrap_load_parameter_state, chained=True)),
+    ] + [(owner, "load", bind(_wrap_dist_load)) for owner in compat.dist_checkpointing_load_owners()]

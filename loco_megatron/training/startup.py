@@ -1,7 +1,7 @@
 """LoCo's start-up sequence around Megatron's training entry, shared by every way of launching.
 
-Used by the main job (:mod:`loco_megatron.pretrain_gpt`), the wrapper around a user's Megatron-LM
-checkout (:mod:`loco_megatron.run_megatron_lm`) and the patched ``pretrain_gpt.py`` of
+Used by the main job (:mod:`loco_megatron.training.pretrain_gpt`), the wrapper around a user's Megatron-LM
+checkout (:mod:`loco_megatron.training.run_megatron_lm`) and the patched ``pretrain_gpt.py`` of
 ``patches/``, so that they cannot drift apart:
 
 1. :func:`prepare` - before Megatron starts: the ``--loco-*`` flags are checked (a bad value
@@ -18,37 +18,23 @@ no traceback).
 """
 
 import argparse
-import os
 import sys
-import time
 from typing import Optional, Sequence
 
+from ..cli.console import fail
+from ..megatron.report import print_rank_0 as _print_rank_0
 from ..config import LoCoConfig, LoCoConfigError
-
-
-def fail(error: Exception) -> None:
-    """Exit with status 2 and a one-line ``error: ...`` (printed by global rank 0 only).
-
-    Every rank finds the same error; the others wait (up to 30 s) before exiting so that the
-    launcher does not tear rank 0 down before it has printed: torchrun stops the remaining
-    workers as soon as one exits non-zero.
-    """
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(30)
-    sys.exit(2)
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM ``extra_args_provider``: adds LoCo's command-line options to ``parser``.
 
     The one place where LoCo options join Megatron's parser, in every launch path (``--loco-*``
-    flags from :func:`loco_megatron.megatron.arguments.add_loco_args`). When the parser has
+    flags from :func:`loco_megatron.cli.flags.add_loco_args`). When the parser has
     them already (a script whose own provider adds them) it is a no-op, not an argparse
     conflict.
     """
-    from .arguments import add_loco_args
+    from ..cli.flags import add_loco_args
 
     if "--loco-bits" in getattr(parser, "_option_string_actions", {}):
         return parser
@@ -76,12 +62,15 @@ def loco_config(args) -> LoCoConfig:
     Raises:
         LoCoConfigError: invalid values, naming the flag.
     """
-    from .arguments import config_from_args
+    from ..cli.flags import config_from_args
 
     return config_from_args(args)
 
 
-def prepare(argv: Optional[Sequence[str]] = None) -> bool:
+_SAID = []
+
+
+def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> bool:
     """Before Megatron starts: expand ``--config FILE`` (YAML, :mod:`.yaml_config`), check the
     ``--loco-*`` flags and the ``--data-path`` files, switch the CPU emulation on when there is no GPU, apply
     :mod:`.training_fixes`.
@@ -97,9 +86,9 @@ def prepare(argv: Optional[Sequence[str]] = None) -> bool:
         True when the CPU emulation is active (no GPU).
     """
     from ..data.check import DataPathError, check_data_args
-    from .arguments import preparse_loco_config
-    from .schedule import ScheduleError, check_lr_schedule
-    from .yaml_config import expand_config_argv
+    from ..cli.preflight import preparse_loco_config
+    from ..cli.schedule import ScheduleError, check_lr_schedule
+    from ..cli.yaml_config import expand_config_argv
 
     try:
         if argv is None:
@@ -107,22 +96,24 @@ def prepare(argv: Optional[Sequence[str]] = None) -> bool:
             argv = sys.argv[1:]
         else:
             argv = expand_config_argv(list(argv))
-        preparse_loco_config(argv)  # bad --loco-* values fail before Megatron starts
+        config = preparse_loco_config(argv)  # bad --loco-* values fail before Megatron starts
         check_lr_schedule(argv)  # a run shorter than its learning-rate warm-up
         check_data_args(argv)  # and missing or damaged --data-path files
     except (LoCoConfigError, DataPathError, ScheduleError) as e:
         fail(e)
     from ..emulation import activate_if_no_gpu
-    from . import training_fixes
+    from . import workarounds
 
     emulated = activate_if_no_gpu()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    training_fixes.skip_helper_build_when_prebuilt()
-    training_fixes.init_torch_optimizer_states_before_load()
-    training_fixes.fix_torch_adamw_resume()
-    if emulated:
-        training_fixes.skip_jit_warmup()
+    if not (main_job or emulated or config.bits is not None):
+        return emulated  # LoCo off in the user's own script on a GPU: megatron as shipped
+    applied = workarounds.apply_needed(emulated)
+    if applied and not _SAID:  # once per process
+        _SAID.append(True)
+        _print_rank_0(f"> LoCo: megatron.training workarounds in force for this environment "
+                      f"({'CPU emulation, ' if emulated else ''}no Transformer Engine/apex or a "
+                      f"wheel without the dataset-helper Makefile): {', '.join(applied)} "
+                      f"(docs/compatibility.md)")
     return emulated
 
 
@@ -141,9 +132,9 @@ def install_from_args(args, emulated: bool):
         The :class:`~loco_megatron.megatron.plugin.LoCoState` of :func:`loco_megatron.install`,
         or None when ``--loco-bits`` is unset.
     """
-    from .. import install
-    from .arguments import check_megatron_args
-    from .telemetry import log_loco_startup
+    from ..megatron.plugin import install
+    from ..cli.preflight import check_megatron_args
+    from ..megatron.report import log_loco_startup
 
     try:
         config = loco_config(args)
@@ -157,7 +148,7 @@ def install_from_args(args, emulated: bool):
     log_loco_startup(state, args, emulated)
     # Once per job, in every launch path: LoCo fields on the iteration line, TensorBoard, timers
     # (wraps the training loop's training_log of the megatron package that runs).
-    from . import training_telemetry
+    from . import iteration_log
 
-    training_telemetry.install(state)
+    iteration_log.install(state)
     return state

@@ -3,8 +3,8 @@
 A config file is a YAML mapping. Every top-level key is a Megatron-LM flag written as on the
 command line without the leading ``--`` (``num-layers: 32``); ``loco:`` is a mapping whose keys
 are the ``--loco-*`` flags without ``--loco-`` (``bits: 4``, ``err-beta: 0.8``; ``err_beta``
-also accepted), generated from :data:`loco_megatron.megatron.arguments.FLAGS` so every
-``LoCoConfig`` field has one. Values become arguments:
+also accepted), generated from the settings registry (:data:`loco_megatron.config.SETTINGS`)
+so every ``LoCoConfig`` field has one. Values become arguments:
 
 * ``true`` -> the bare flag (``--bf16``); ``false`` and ``null`` -> nothing (the default stays);
 * a list -> the flag followed by each item (``data-path: [0.5, a, 0.5, b]``);
@@ -15,9 +15,9 @@ the remaining command-line arguments; argparse keeps the last occurrence of a fl
 command line wins over the file and the file over the parser's defaults (CLI > YAML > defaults).
 
 Megatron-LM's own ``--yaml-cfg`` (megatron/training/yaml_arguments.py) is a different format;
-its ``loco:`` section is read by :func:`loco_megatron.megatron.arguments.config_from_args`.
+its ``loco:`` section is read by :func:`loco_megatron.cli.flags.config_from_args`.
 
-Run ``python -m loco_megatron.megatron.yaml_config ARGS...`` to print the expanded arguments
+Run ``python -m loco_megatron.cli.yaml_config ARGS...`` to print the expanded arguments
 shell-quoted on one line (used by ``run_pretrain.sh``).
 """
 
@@ -26,8 +26,8 @@ import shlex
 import sys
 from typing import Any, Dict, List, Sequence
 
-from ..config import LoCoConfig, LoCoConfigError
-from .arguments import FLAGS
+from ..config import SETTINGS, LoCoConfig, LoCoConfigError, value_type
+from .console import cli_exit_code
 
 CONFIG_FLAG = "--config"
 LOCO_PREFIX = "--loco-"
@@ -36,11 +36,10 @@ _FLAG_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
 def loco_keys() -> Dict[str, str]:
     """``loco:`` section key -> ``LoCoConfig`` field name, both spellings (``err-beta`` and
-    ``err_beta``), derived from :data:`FLAGS` (``--loco-err-beta`` -> ``beta``)."""
+    ``err_beta``), from the settings registry (``--loco-err-beta`` -> ``beta``)."""
     keys = {}
-    for field, (flag, _typ, _extra) in FLAGS.items():
-        suffix = flag[len(LOCO_PREFIX):]
-        keys[suffix] = keys[suffix.replace("-", "_")] = field
+    for field, setting in SETTINGS.items():
+        keys[setting.yaml_key] = keys[setting.yaml_key.replace("-", "_")] = field
     return keys
 
 
@@ -73,7 +72,7 @@ def loco_section_to_fields(section: Any, source: str) -> Dict[str, Any]:
                                   f"the --loco-* flags without '--loco-': {names}.")
         if value is None:
             continue
-        flag, typ, _extra = FLAGS[field]
+        flag, typ = SETTINGS[field].flag, value_type(field)
         try:
             if isinstance(value, bool) != (typ is bool):
                 raise TypeError(value)  # int(True) == 1, bool("false") would pass silently
@@ -144,7 +143,7 @@ def config_to_argv(path: str) -> List[str]:
             except LoCoConfigError as e:
                 raise LoCoConfigError(f"{source}, loco section: {e}") from None
             for field, val in fields.items():
-                loco += _flag_args(FLAGS[field][0], val, source, f"loco.{field}")
+                loco += _flag_args(SETTINGS[field].flag, val, source, f"loco.{field}")
             continue
         if not isinstance(key, str) or not _FLAG_KEY.match(key) or ("_" in key and "-" not in key):
             raise LoCoConfigError(
@@ -189,8 +188,6 @@ def expand_config_argv(argv: Sequence[str]) -> List[str]:
 def main(argv: Sequence[str] = None) -> int:
     """Print ``expand_config_argv(argv)`` shell-quoted on one line; on error print it and
     return 2."""
-    from .arguments import cli_exit_code
-
     return cli_exit_code(lambda args: print(shlex.join(expand_config_argv(args))), argv)
 
 

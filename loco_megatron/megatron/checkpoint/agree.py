@@ -1,7 +1,7 @@
 """One decision on every rank when a checkpoint's LoCo state is loaded.
 
 Each rank restores its own error buffers from what its DP group saved
-(:func:`loco_megatron.megatron.ckpt_state.apply`). But ranks of *different* DP groups hold
+(:func:`loco_megatron.megatron.checkpoint.state.apply`). But ranks of *different* DP groups hold
 replicas of the same parameters: LayerNorm weights and row-parallel biases on every
 tensor-parallel rank, the word embedding shared by the first and last pipeline stage. Their
 gradients are equal, and stay equal after LoCo only if their error buffers, step counters
@@ -42,7 +42,7 @@ NO_STATE = "has no LoCo state (saved without LoCo)"
 
 @dataclass
 class Outcome:
-    """What :func:`ckpt_state.apply` did for one optimizer on this rank.
+    """What :func:`state.apply` did for one optimizer on this rank.
 
     Attributes:
         notes: ``(logging level, text)`` to report.

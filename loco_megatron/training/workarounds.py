@@ -16,12 +16,57 @@
 import importlib
 import logging
 import os
+from typing import Any, List, Optional
 
 import torch
 
-from . import compat
+from ..megatron import compat
+from ..patching import PatchSet
 
 logger = logging.getLogger(__name__)
+
+#: the patch set holding every workaround applied in this process
+PATCH_SET = "loco-workarounds"
+_PATCHES: Optional[PatchSet] = None
+
+
+def _replace(owner: Any, attribute: str, value: Any) -> bool:
+    """Apply one workaround through the process's :class:`PatchSet`; False (nothing done) when
+    it is applied already."""
+    global _PATCHES
+    if _PATCHES is None or not _PATCHES.is_applied:
+        _PATCHES = PatchSet(PATCH_SET)
+    if (owner, attribute) in [(o, a) for o, a in _PATCHES.targets()]:
+        return False
+    _PATCHES.replace(owner, attribute, value)
+    return True
+
+
+def applied() -> List[str]:
+    """``owner.attribute`` of every workaround in force, oldest first."""
+    return [f"{getattr(o, '__name__', o)}.{a}" for o, a in (_PATCHES.targets() if _PATCHES else [])]
+
+
+def remove() -> None:
+    """Restore everything the workarounds replaced (tests; a process normally keeps them)."""
+    global _PATCHES
+    if _PATCHES is not None:
+        _PATCHES.restore()
+        _PATCHES = None
+
+
+def apply_needed(emulated: bool) -> List[str]:
+    """Apply the workarounds this process needs and return what was applied (empty on a GPU
+    machine with Transformer Engine or apex running a Megatron-LM checkout): the dataset-helper
+    build skip where a prebuilt helper exists or a checkout needs this interpreter's flags, the
+    torch-AdamW checkpoint fixes without TE/apex, the JIT warm-up skip under the CPU emulation.
+    Idempotent."""
+    skip_helper_build_when_prebuilt()
+    init_torch_optimizer_states_before_load()
+    fix_torch_adamw_resume()
+    if emulated:
+        skip_jit_warmup()
+    return applied()
 
 
 def prebuilt_helper_available() -> bool:
@@ -59,8 +104,6 @@ def skip_helper_build_when_prebuilt() -> None:
     import megatron.core.datasets.utils as dataset_utils
 
     original = dataset_utils.compile_helpers
-    if getattr(original, "_loco_wrapped", False):
-        return
 
     def compile_helpers():
         if prebuilt_helper_available():
@@ -71,15 +114,14 @@ def skip_helper_build_when_prebuilt() -> None:
             return
         original()
 
-    compile_helpers._loco_wrapped = True
-    dataset_utils.compile_helpers = compile_helpers
+    _replace(dataset_utils, "compile_helpers", compile_helpers)
 
 
 def skip_jit_warmup() -> None:
     """Replace ``megatron.training.initialize._warmup_jit_function`` with a no-op."""
     import megatron.training.initialize as initialize
 
-    initialize._warmup_jit_function = lambda *args, **kwargs: None
+    _replace(initialize, "_warmup_jit_function", lambda *args, **kwargs: None)
 
 
 def init_torch_optimizer_states_before_load() -> None:
@@ -98,7 +140,7 @@ def init_torch_optimizer_states_before_load() -> None:
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
     import megatron.training.training as training
 
-    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(training.load_checkpoint, "_loco_wrapped", False):
+    if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     original = training.load_checkpoint
 
@@ -120,8 +162,7 @@ def init_torch_optimizer_states_before_load() -> None:
         with torch.no_grad():
             return original(model, optimizer, *args, **kwargs)
 
-    load_checkpoint._loco_wrapped = True
-    training.load_checkpoint = load_checkpoint
+    _replace(training, "load_checkpoint", load_checkpoint)
 
 
 def fix_torch_adamw_resume() -> None:
@@ -144,7 +185,7 @@ def fix_torch_adamw_resume() -> None:
     import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
 
     cls = distrib_optimizer.DistributedOptimizer
-    if distrib_optimizer.HAVE_APEX_OR_TE or getattr(cls.load_state_dict, "_loco_fix", False):
+    if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     set_states, load_state_dict = cls._set_main_param_and_optimizer_states, cls.load_state_dict
 
@@ -167,6 +208,5 @@ def fix_torch_adamw_resume() -> None:
                 state["step"] = state["step"].clone()
         return result
 
-    untied_load_state_dict._loco_fix = True
-    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
-    cls.load_state_dict = untied_load_state_dict
+    _replace(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
+    _replace(cls, "load_state_dict", untied_load_state_dict)

@@ -37,9 +37,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ..hierarchical import INTER, INTRA
-from ..layout import BucketLayout
-from . import ckpt_agree, compat
+from ...hierarchical import INTER, INTRA
+from ...layout import BucketLayout
+from .. import compat
+from . import agree
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class OptimizerLoCo:
         if not state.active:
             return
         if state.config.hierarchical and self.dp_size > 1:
-            from ..hierarchical import group_topology
+            from ...hierarchical import group_topology
 
             topo = group_topology(self.group)
             self.hierarchy = {"nodes": topo.num_nodes, "per_node": topo.per_node,
@@ -146,7 +147,7 @@ class OptimizerLoCo:
         """Plain-Python description of the saved state (same on every DP rank)."""
         cfg, steps = self.state.config, self.state.compensator.stats.steps
         extra = {"instances": self.instances} if self.instances > 1 else {}
-        layout = ckpt_agree.model_parallel_layout()
+        layout = agree.model_parallel_layout()
         if layout is not None:  # a resume at another TP/PP/EP size resets on every rank
             extra["model_parallel"] = layout
         return {
@@ -228,10 +229,10 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         source: checkpoint file or directory, for messages (the same on every rank).
         data_file: the file ``exact`` was read from, for errors naming it (default ``source``).
 
-    Inside a :func:`~loco_megatron.megatron.ckpt_agree.load_round` (the checkpoint hooks open
+    Inside a :func:`~loco_megatron.megatron.checkpoint.agree.load_round` (the checkpoint hooks open
     one around megatron-core's load calls) the outcome is only recorded: when the round closes,
     every rank applies one agreed decision (step counters, resets, messages; see
-    :mod:`loco_megatron.megatron.ckpt_agree`). Outside one (a direct call) the notes are logged
+    :mod:`loco_megatron.megatron.checkpoint.agree`). Outside one (a direct call) the notes are logged
     at once, on DP rank 0.
 
     Returns:
@@ -246,7 +247,7 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
     _apply(view, meta, exact, sums, source, notes, counts, data_file or source)
     saved_buckets = meta.get("buckets", {}) if isinstance(meta, dict) else {}
     saved_steps = [int(b.get("step", 0)) for b in saved_buckets.values() if isinstance(b, dict)]
-    outcome = ckpt_agree.Outcome(
+    outcome = agree.Outcome(
         notes=notes, active=view.state.active, had_state=meta is not None,
         restored=counts["restored"], reset=counts["reset"],
         step=max(saved_steps) if saved_steps and view.buckets else None,
@@ -254,8 +255,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         source=source, reset_all=lambda: [_reset(view, ref) for ref in view.buckets],
         set_steps=lambda step: view.state.compensator.stats.steps.update(
             {ref.key: step for ref in view.buckets}))
-    if ckpt_agree.in_round():
-        ckpt_agree.record(outcome)
+    if agree.in_round():
+        agree.record(outcome)
     else:
         for level, text in notes:
             view.log(level, text)

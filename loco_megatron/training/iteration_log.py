@@ -19,7 +19,6 @@ and on logging iterations it builds the iteration line and hands it to the modul
 Definitions, groups and cost: docs/telemetry.md.
 """
 
-import contextlib
 import functools
 import inspect
 import sys
@@ -27,7 +26,8 @@ from typing import Optional
 
 from ..collectives import TIMER_NAMES
 from ..metrics import LoCoFigures
-from . import plugin
+from ..megatron import plugin
+from ..patching import PatchSet
 
 #: TensorBoard / wandb tag of each figure (LoCoFigures attribute -> tag)
 TAGS = {
@@ -37,7 +37,10 @@ TAGS = {
     "compression_ratio": "loco/compression-ratio",
 }
 
-_INSTALLED = None  # (megatron.training.training module, original training_log, LoCoState)
+#: the patch set of :func:`install` (``training_log``) and the one of each iteration line
+PATCH_SET, LINE_PATCH_SET = "loco-iteration-log", "loco-iteration-line"
+
+_INSTALLED = None  # (PatchSet, LoCoState)
 
 
 def megatron_timers():
@@ -76,21 +79,6 @@ def _is_iteration_line(message) -> bool:
     return isinstance(message, str) and " iteration " in message and "|" in message
 
 
-@contextlib.contextmanager
-def _swapped(obj, name: str, value):
-    """Set ``obj.name`` to ``value`` for the block (instance attribute or module global)."""
-    missing = object()
-    saved = vars(obj).get(name, missing)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if saved is missing:
-            delattr(obj, name)
-        else:
-            setattr(obj, name, saved)
-
-
 def _with_loco_timers(method):
     @functools.wraps(method)
     def call(names, *args, **kwargs):
@@ -117,14 +105,14 @@ def _wrap_training_log(orig, module, state):
                     _write(fig, iteration)
             print_line(message)
 
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_swapped(module, "print_rank_last", print_rank_last))
+        # for this call only: the iteration line and the timers' lists
+        with PatchSet(LINE_PATCH_SET).applied() as patches:
+            patches.replace(module, "print_rank_last", print_rank_last)
             timers = megatron_timers()
             megatron_args = sys.modules["megatron.training.global_vars"].get_args()
             if timers is not None and getattr(megatron_args, "timing_log_level", 0) >= 2:
                 for name in ("log", "write"):
-                    stack.enter_context(
-                        _swapped(timers, name, _with_loco_timers(getattr(timers, name))))
+                    patches.wrap(timers, name, _with_loco_timers)
             return orig(*args, **kwargs)
     return training_log
 
@@ -159,9 +147,9 @@ def install(state: Optional["plugin.LoCoState"] = None) -> bool:
             f"Megatron-LM checkout on PYTHONPATH): {e}") from e
     state.enable_metrics()
     state.timers = megatron_timers
-    original = training.training_log
-    training.training_log = _wrap_training_log(original, training, state)
-    _INSTALLED = (training, original, state)
+    patches = PatchSet(PATCH_SET)
+    patches.wrap(training, "training_log", lambda orig: _wrap_training_log(orig, training, state))
+    _INSTALLED = (patches, state)
     return True
 
 
@@ -170,8 +158,8 @@ def uninstall() -> None:
     global _INSTALLED
     if _INSTALLED is None:
         return
-    training, original, state = _INSTALLED
-    training.training_log = original
+    patches, state = _INSTALLED
+    patches.restore()
     state.metrics = state.timers = None
     if state.compensator is not None:
         state.compensator.metrics = None

@@ -6,12 +6,12 @@ installed megatron-core (>= 0.17 wheels ship ``megatron.training``). Every Megat
 (``--save``, ``--load``, ``--data-path``, ``--tensorboard-dir``, ...), plus the ``--loco-*``
 flags and ``--config FILE.yaml`` (docs/configs.md). On a machine without a GPU it runs on CPU ranks through the CUDA emulation (gloo).
 
-Run with ``python -m torch.distributed.run --nproc-per-node N -m loco_megatron.pretrain_gpt
+Run with ``python -m torch.distributed.run --nproc-per-node N -m loco_megatron.training.pretrain_gpt
 <megatron flags>`` (``run_pretrain.sh`` does this with sensible defaults).
 """
 
 import logging
-import sys
+import os
 import warnings
 from functools import partial
 
@@ -146,17 +146,21 @@ train_valid_test_datasets_provider.is_distributed = True
 def main() -> None:
     """Parse Megatron + LoCo flags, install LoCo, run ``megatron.training.pretrain``.
 
-    The LoCo steps are :mod:`loco_megatron.megatron.startup`'s, shared with the wrapper around
-    a Megatron-LM checkout (:mod:`loco_megatron.run_megatron_lm`).
+    The LoCo steps are :mod:`loco_megatron.training.startup`'s, shared with the wrapper around
+    a Megatron-LM checkout (:mod:`loco_megatron.training.run_megatron_lm`).
     """
-    from .megatron import compat, startup
+    from ..megatron import compat
+    from . import startup
 
     try:
         compat.require_megatron_training()  # megatron-core < 0.17: needs a Megatron-LM checkout
     except RuntimeError as e:
         startup.fail(e)
 
-    emulated = startup.prepare()  # also expands --config FILE in sys.argv
+    # the main job's data and tokenizer are local files: never ask the Hugging Face Hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    emulated = startup.prepare(main_job=True)  # also expands --config FILE in sys.argv
 
     from megatron.core.enums import ModelType
     from megatron.training import pretrain

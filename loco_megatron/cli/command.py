@@ -13,8 +13,8 @@ import argparse
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from .config import LoCoConfigError
-from .planner.errors import PlannerError
+from ..config import LoCoConfigError
+from ..planner.errors import PlannerError
 
 #: Megatron-LM flags the planner reads (also from ``--config``), with their argparse type
 MODEL_FLAGS = {
@@ -82,7 +82,7 @@ def merged_flags(args: argparse.Namespace) -> Dict[str, Any]:
     """
     d: Dict[str, Any] = {}
     if args.config:
-        from .megatron.yaml_config import load_config
+        from .yaml_config import load_config
 
         try:
             d = dict(load_config(args.config))
@@ -110,9 +110,9 @@ def _int(d: Dict[str, Any], key: str, default: Optional[int] = None) -> Optional
 
 def build_plan(args: argparse.Namespace) -> Dict:
     """Run the planner on parsed ``plan`` arguments. Raises :class:`PlannerError`."""
-    from .planner.cluster import ClusterSpec, ParallelSpec
-    from .planner.model import ModelSpec
-    from .planner.predict import PlanOptions, plan
+    from ..planner.cluster import ClusterSpec, ParallelSpec
+    from ..planner.model import ModelSpec
+    from ..planner.predict import PlanOptions, plan
 
     d = merged_flags(args)
     model = ModelSpec.from_flags(d)
@@ -162,7 +162,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     input (one ``error:`` line on stderr naming the flag)."""
     args = parser().parse_args(argv)
     if args.command == "plan":
-        from .planner import report
+        from ..planner import report
 
         try:
             p = build_plan(args)

@@ -10,7 +10,7 @@ writes its own file next to it::
         {"meta": ..., "exact": {bucket: {codes, scales} | {values}},
          "sum": {bucket: {"start": int, "values": fp32}}}
 
-(see :mod:`loco_megatron.megatron.ckpt_state` for the fields). Files are written to a temporary
+(see :mod:`loco_megatron.megatron.checkpoint.state` for the fields). Files are written to a temporary
 name and renamed, so a failed save never leaves a half-written file under the final name, and
 megatron only points ``latest_checkpointed_iteration.txt`` at an iteration after every rank's
 save returned. On load, a rank reads its own file (same DP size) or the files whose shards of
@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .ckpt_state import OptimizerLoCo, apply, exact_entries, validate_meta
+from .state import OptimizerLoCo, apply, exact_entries, validate_meta
 
 
 def sidecar_path(filename: str, index: int, dp_rank: int, instance: int = 0) -> str:
@@ -122,7 +122,7 @@ def _read(path: str, expected_meta: Optional[dict] = None) -> Dict[str, object]:
 
 def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
     """Restore this rank's error buffers from the LoCo files next to ``filename`` by the resume
-    policy (:func:`loco_megatron.megatron.ckpt_state.apply`). Returns the messages logged.
+    policy (:func:`loco_megatron.megatron.checkpoint.state.apply`). Returns the messages logged.
 
     Raises:
         ValueError: a truncated or malformed file (naming the file and key), or a missing file

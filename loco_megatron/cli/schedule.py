@@ -5,8 +5,8 @@ Megatron-LM asserts ``lr_warmup_steps < lr_decay_steps`` only once every rank is
 ``--train-iters``), as a bare ``AssertionError`` on every rank. ``run_pretrain.sh`` sets
 ``--lr-warmup-iters 20``, so shortening a run with ``--train-iters 10`` alone hits it.
 :func:`check_lr_schedule` says so in one line first: ``run_pretrain.sh`` runs
-``python -m loco_megatron.megatron.schedule`` on its defaults plus your flags before launching
-(no torch import: well under a second), and :func:`loco_megatron.megatron.startup.prepare`
+``python -m loco_megatron.cli.schedule`` on its defaults plus your flags before launching
+(no torch import: well under a second), and :func:`loco_megatron.training.startup.prepare`
 calls it in every launch path.
 """
 
@@ -45,9 +45,9 @@ def check_lr_schedule(argv: Iterable[str]) -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m loco_megatron.megatron.schedule ARGS``: print ``error: ...`` and return 2
+    """``python -m loco_megatron.cli.schedule ARGS``: print ``error: ...`` and return 2
     when :func:`check_lr_schedule` refuses ``ARGS``, else return 0 silently."""
-    from .arguments import cli_exit_code
+    from .console import cli_exit_code
 
     return cli_exit_code(check_lr_schedule, argv, (ScheduleError,))
 

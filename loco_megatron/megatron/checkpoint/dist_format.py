@@ -20,15 +20,15 @@ the ``meta`` object; :func:`resolve_requests`, run by the wrapped ``dist_checkpo
 (which knows the directory), reads the checkpoint's metadata and adds the ``ShardedTensor`` s of
 the usable form, or drops ``meta`` when the checkpoint has no LoCo state.
 ``DistributedOptimizer.load_state_dict`` then hands the loaded entry to
-:func:`loco_megatron.megatron.ckpt_state.apply`.
+:func:`loco_megatron.megatron.checkpoint.state.apply`.
 """
 
 from typing import Dict, Iterator, List
 
 import torch
 
-from . import compat
-from .ckpt_state import OptimizerLoCo, apply
+from .. import compat
+from .state import OptimizerLoCo, apply
 
 REQUEST = "__loco__"
 _mapping = compat.dist_checkpointing_mapping
@@ -170,7 +170,7 @@ def _saved_exact(saved, base: str, grid, stages: Dict[str, int]):
 
 def apply_loaded(loaded) -> int:
     """Apply every LoCo entry of what ``dist_checkpointing.load`` returned to its optimizer
-    (the wrapped load calls this inside a :func:`ckpt_agree.load_round`, so all ranks take
+    (the wrapped load calls this inside a :func:`agree.load_round`, so all ranks take
     one decision); marks them applied for ``DistributedOptimizer.load_state_dict``. Returns
     the number applied."""
     count = 0
@@ -186,7 +186,7 @@ def apply_loaded(loaded) -> int:
 
 
 def load_entry(view: OptimizerLoCo, entry: dict) -> List[str]:
-    """Apply a loaded ``"loco"`` entry to ``view`` (see :func:`ckpt_state.apply`)."""
+    """Apply a loaded ``"loco"`` entry to ``view`` (see :func:`state.apply`)."""
     req = entry.get(REQUEST)
     if isinstance(req, dict) and req.get("applied"):
         return []  # already applied right after dist_checkpointing.load

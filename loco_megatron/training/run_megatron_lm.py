@@ -1,6 +1,6 @@
 """Run a Megatron-LM checkout's own ``pretrain_gpt.py`` with LoCo installed, without forking it.
 
-    python -m torch.distributed.run --nproc-per-node 8 -m loco_megatron.run_megatron_lm \\
+    python -m torch.distributed.run --nproc-per-node 8 -m loco_megatron.training.run_megatron_lm \\
         --megatron-lm /path/to/Megatron-LM <pretrain_gpt.py flags> --loco-bits 4
 
 The checkout comes from ``--megatron-lm PATH`` (anywhere on the command line; removed before
@@ -20,7 +20,7 @@ and then, once the arguments are validated, ``megatron/training/global_vars.py``
 * core >= 0.18: ``parse_and_validate_args(extra_args_provider=...)`` -> the same three steps,
   then ``pretrain(cfg_container, ...)``.
 
-:func:`loco_megatron.megatron.lm_hooks.enable_loco` hooks those two functions (the patches in
+:func:`loco_megatron.training.argument_hooks.enable_loco` hooks those two functions (the patches in
 ``patches/`` call the same function from the script itself).
 """
 
@@ -30,7 +30,7 @@ import runpy
 import sys
 from typing import List, Optional, Tuple
 
-from .megatron.lm_hooks import enable_loco
+from .argument_hooks import enable_loco
 
 FLAG = "--megatron-lm"
 ENV = "MEGATRON_LM"
@@ -102,7 +102,7 @@ def use_checkout(path: str) -> None:
     if elsewhere and has_own_megatron(path):
         raise CheckoutError(f"megatron.core was imported from {loaded.__file__} before the "
                             f"checkout {path} could be used: start the job with "
-                            f"`python -m loco_megatron.run_megatron_lm`.")
+                            f"`python -m loco_megatron.training.run_megatron_lm`.")
     sys.path.insert(0, path)
 
 
@@ -114,9 +114,9 @@ def _importable(name: str) -> bool:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point of ``python -m loco_megatron.run_megatron_lm``; exits 2 with one line on a
+    """Entry point of ``python -m loco_megatron.training.run_megatron_lm``; exits 2 with one line on a
     bad checkout path or LoCo flag."""
-    from .megatron import startup
+    from . import startup
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -139,7 +139,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if has_own_megatron(checkout) and not origin.startswith(checkout + os.sep):
         startup.fail(CheckoutError(
             f"megatron.core comes from {origin}, not from the checkout {checkout}: start the job "
-            f"with `python -m loco_megatron.run_megatron_lm` and nothing importing megatron "
+            f"with `python -m loco_megatron.training.run_megatron_lm` and nothing importing megatron "
             f"before it."))
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"> LoCo wrapper: running {os.path.join(checkout, SCRIPT)} with megatron-core "

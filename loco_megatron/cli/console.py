@@ -1,0 +1,39 @@
+"""One-line refusals on the command line: ``error: <message>`` and exit status 2."""
+
+import os
+import sys
+import time
+
+from ..config import LoCoConfigError
+
+#: seconds a rank other than global rank 0 waits before printing its own error line
+OTHER_RANKS_WAIT_S = 3.0
+
+
+def fail(error: Exception) -> None:
+    """Exit with status 2 and a one-line ``error: ...``.
+
+    Every rank usually finds the same error: global rank 0 prints it at once; the others wait
+    :data:`OTHER_RANKS_WAIT_S` seconds first (torchrun stops the remaining workers as soon as
+    one exits non-zero, so rank 0's line comes first and theirs normally never appears), then
+    print theirs with their rank, so an error found on one rank only is not lost.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(OTHER_RANKS_WAIT_S)
+        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def cli_exit_code(action, argv=None, errors=(LoCoConfigError,)) -> int:
+    """The launchers' one-line refusal, shared by the ``python -m`` checks: run
+    ``action(argv)`` (``sys.argv[1:]`` when ``argv`` is None); on one of ``errors`` print
+    ``error: <message>`` to stderr and return 2, else return 0."""
+    try:
+        action(sys.argv[1:] if argv is None else list(argv))
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,107 @@
+"""Preflight checks of a launch, before Megatron's slow start-up: the ``--loco-*`` flags, FSDP
+switches, the ``--data-path`` files and the DDP settings LoCo cannot compress.
+
+``python -m loco_megatron.cli.preflight ARGS`` runs them on a command line in about a second
+(``run_pretrain.sh`` and the Slurm scripts call it before starting ranks); the launch paths call
+:func:`preparse_loco_config` and :func:`check_megatron_args` themselves
+(:mod:`loco_megatron.training.startup`).
+"""
+
+import argparse
+import sys
+
+from ..config import LoCoConfig, LoCoConfigError
+from .console import cli_exit_code
+from .flags import RaisingParser, add_loco_args, config_from_args
+
+
+def check_megatron_args(args, config: LoCoConfig) -> None:
+    """Refuse, at start-up, Megatron settings under which LoCo would not compress.
+
+    Megatron FSDP (``--use-megatron-fsdp``, ``--use-custom-fsdp`` before 0.14) and torch FSDP2
+    replace megatron-core's DDP gradient buffers entirely; the others are checked as on the DDP
+    config (:func:`loco_megatron.megatron.plugin.check_ddp_config`).
+
+    Raises:
+        LoCoConfigError: naming the conflicting flag.
+    """
+    if not config.enabled:
+        return
+    _check_fsdp(args, config)
+    if config.hierarchical:  # LOCAL_WORLD_SIZE from the launcher, at start-up
+        from ..hierarchical import local_world_size
+
+        local_world_size()
+    from ..megatron.plugin import check_ddp_config
+
+    check_ddp_config(argparse.Namespace(
+        use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+        num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
+        reduce_scatter_with_fp32_accumulation=getattr(
+            args, "ddp_reduce_scatter_with_fp32_accumulation", False)), gradient_dp_size(args))
+
+
+def gradient_dp_size(args) -> int:
+    """The most ranks any gradient buffer is reduced over, from Megatron's validated args:
+    DP x CP for dense parameters, ``world / (expert TP x EP x PP)`` for experts (megatron-core
+    parallel_state.py). 1: nothing is communicated, so LoCo has nothing to refuse or compress.
+    Missing fields (args not validated by Megatron) count as 2 (a DP group to check)."""
+    dp = getattr(args, "data_parallel_size", None)
+    if not isinstance(dp, int):
+        return 2
+    dense = dp * int(getattr(args, "context_parallel_size", 1) or 1)
+    if not getattr(args, "num_experts", None):
+        return dense
+    world = getattr(args, "world_size", None)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    expert = world // (etp * ep * pp) if isinstance(world, int) else 2
+    return max(dense, expert)
+
+
+_FSDP_FLAGS = (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-custom-fsdp"),
+               ("use_torch_fsdp2", "--use-torch-fsdp2"))
+
+
+def _check_fsdp(args, config: LoCoConfig) -> None:
+    for attr, flag in _FSDP_FLAGS:
+        if config.enabled and getattr(args, attr, False):
+            raise LoCoConfigError(
+                f"--loco-bits {config.bits} cannot be used with {flag}: FSDP replaces "
+                f"megatron-core's DDP gradient buffers that LoCo compresses; drop one of the two.")
+
+
+def preparse_loco_config(argv) -> LoCoConfig:
+    """Read only the ``--loco-*`` flags (and the FSDP switches) from ``argv`` before Megatron's
+    slow start-up, so that bad values and FSDP fail within a second.
+
+    Raises:
+        LoCoConfigError: naming the flag.
+    """
+    parser = add_loco_args(RaisingParser(add_help=False, allow_abbrev=False))
+    for attr, flag in _FSDP_FLAGS:
+        parser.add_argument(flag, dest=attr, action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    config = config_from_args(known)
+    _check_fsdp(known, config)
+    return config
+
+
+def main(argv=None) -> int:
+    """``python -m loco_megatron.cli.flags ARGS``: check the ``--loco-*`` flags (and
+    FSDP switches) and the ``--data-path`` files (:mod:`loco_megatron.data.check`) of ``ARGS``
+    in about a second, before a launcher prepares data or starts ranks; prints ``error: ...``
+    and returns 2 on a bad value, else returns 0 silently."""
+    from ..data.check import DataPathError, check_data_args
+
+    def check(args):
+        preparse_loco_config(args)
+        check_data_args(args)  # --data-path files: missing, truncated or corrupted .idx/.bin
+
+    return cli_exit_code(check, argv, (LoCoConfigError, DataPathError))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
