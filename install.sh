@@ -42,8 +42,7 @@ PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 stamp="$VENV/.loco-installed"
 # The stamp holds the versions asked for (empty by default), so a venv is switched in place when
 # MCORE_VERSION / TORCH_VERSION change (the CI's compatibility legs share one Python 3.11 venv).
-want="${MCORE_VERSION:+megatron-core==$MCORE_VERSION}${TORCH_VERSION:+ torch==$TORCH_VERSION}"
-[ -z "${MCORE_VERSION:-}" ] && want=""
+want="${MCORE_VERSION:+megatron-core==$MCORE_VERSION }${TORCH_VERSION:+torch==$TORCH_VERSION}"
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ install.sh -nt "$stamp" ] \
    || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first: from the package index (its CUDA build also runs on CPU), or the pinned version.

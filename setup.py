@@ -11,7 +11,8 @@ setup(
     packages=find_packages(include=["loco_megatron", "loco_megatron.*"]),
     python_requires=">=3.10",
     install_requires=[
-        "torch>=2.4",
+        # torch.accelerator (patched by the CPU emulation) exists from 2.6; CI tests 2.13 and 2.14
+        "torch>=2.6",
         # Supported range (docs/compatibility.md): 0.19.x on Python 3.12 (with megatron.training),
         # 0.13.x-0.16.x on Python 3.11 (the plugin; the main job needs a Megatron-LM checkout).
         # install.sh pins 0.19.x by default, MCORE_VERSION=... for the other legs.

@@ -1,1 +1,1 @@
-"""loco-megatron benchmark suite (DESIGN.md §8, BENCHMARKS.md): ``python -m benchmarks``."""
+"""loco-megatron benchmark suite (BENCHMARKS.md): ``python -m benchmarks``."""

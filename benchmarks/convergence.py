@@ -1,5 +1,5 @@
 """Convergence: loss after N steps, full precision vs 4-bit without compensation vs plain error
-feedback vs LoCo (issue 5, section 4; DESIGN.md §8).
+feedback vs LoCo (BENCHMARKS.md).
 
 Four runs of Megatron's own training loop (``loco_megatron.training.pretrain_gpt`` under
 ``torch.distributed.run``, 2 CPU ranks with gloo, as ``run_pretrain.sh`` launches it) on the real
@@ -295,7 +295,7 @@ def rel(a: float, b: float) -> float:
 
 
 def acceptance(loss: Dict[str, float], tol: float = 0.01) -> Dict[str, object]:
-    """The issue's check on one loss per run: LoCo within ``tol`` of full precision (|relative
+    """The acceptance check on one loss per run: LoCo within ``tol`` of full precision (|relative
     difference| <= tol) and strictly lower than 4-bit without compensation."""
     vs_full = rel(loss["loco"], loss["full"])
     vs_nocomp = rel(loss["loco"], loss["nocomp"])

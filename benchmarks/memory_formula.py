@@ -7,7 +7,7 @@ implementation of its hot path (loco_megatron/kernels):
 * ``impl="fused"`` (``--loco-kernels auto``, the default: the C kernel on CPU tensors, Triton on
   CUDA tensors): one pass reads the bucket through its block table and updates the error buffer
   in place; it allocates the payload and the scales, then the received payload and scales;
-* ``impl="torch"`` (``--loco-kernels torch``, kernels/reference.py): plain torch ops, with
+* ``impl="torch"`` (``--loco-kernels torch``, algorithm.py): plain torch ops, with
   several fp32 temporaries of the whole padded bucket (~30 bytes per element at the peak).
 
 It is the one place to update when the hot path changes; benchmarks/memory.py checks it against
@@ -55,7 +55,7 @@ def _fused_phases(n: int, numel: int, shard: int, s: int, bits: int, block: int,
 
 def _torch_phases(layout: BucketLayout, n: int, s: int, bits: int, grad_element_size: int,
                   error_dtype: str, beta: float, telemetry: bool) -> List[Phase]:
-    """kernels/reference.py (+ quantization.py, ErrorBuffer.get/set) line by line."""
+    """algorithm.py (+ quantization.py, ErrorBuffer.get/set) line by line."""
     f = 4
     copy = 0 if (layout.is_identity and grad_element_size == f) else n * f
     small = 3 * 4 * s  # scales, safe, ones_like of quantize_blockwise

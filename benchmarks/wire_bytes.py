@@ -173,7 +173,7 @@ def stock_bytes(layout: BucketLayout, element_size: int) -> int:
 
 
 def formula_bytes(numel: int, world: int, bits: int, block_size: int = BLOCK_SIZE) -> float:
-    """DESIGN.md §2: ``(N - 1) / N * numel * (b + 32 / block) / 8`` (no padding)."""
+    """docs/architecture.md (wire format): ``(N - 1) / N * numel * (b + 32 / block) / 8`` (no padding)."""
     return (world - 1) / world * numel * (bits + 32 / block_size) / 8
 
 
@@ -254,7 +254,7 @@ def run(quick: bool, workdir: Path) -> Section:
             f"({r['loco_padding_fraction']:.2e}) | {_gib(r['loco4'])} | {_gib(r['loco8'])} | "
             f"{_gib(r['bf16'])} | {_gib(r['fp32'])} | {r['loco4_vs_bf16']:.5f} | "
             f"{r['loco4_vs_fp32']:.5f} | {r['loco8_vs_bf16']:.5f} |")
-    lines += ["", f"Formula (DESIGN.md §2): bytes = (N-1)/N * numel * (b + 32/{BLOCK_SIZE})/8 "
+    lines += ["", f"Formula (docs/architecture.md): bytes = (N-1)/N * numel * (b + 32/{BLOCK_SIZE})/8 "
               f"-> ratio to bf16 = (b + 32/{BLOCK_SIZE})/16 = {(4 + 32 / BLOCK_SIZE) / 16:.5f} "
               f"(4-bit), {(8 + 32 / BLOCK_SIZE) / 16:.5f} (8-bit); to fp32 = half of that.", "",
               "| DP | LoCo-4 exact | formula(numel) | formula(LoCo padded numel) | exact - formula "
@@ -278,7 +278,7 @@ def run(quick: bool, workdir: Path) -> Section:
                  "4096 elements, so parameter starts (64) and bucket ends (lcm(DP, 128)) are "
                  "already aligned." if all(r["megatron_padding"] == 0 for r in rows) else ""),
               "",
-              f"Acceptance (issue): LoCo-4 <= {ACCEPT_VS_BF16}x stock bf16: "
+              f"Acceptance: LoCo-4 <= {ACCEPT_VS_BF16}x stock bf16: "
               f"**{'met' if ok_b else 'NOT met'}** (worst {worst_b:.5f}); LoCo-4 <= "
               f"{ACCEPT_VS_FP32}x stock fp32: **{'met' if ok_f else 'NOT met'}** "
               f"(worst {worst_f:.5f})."]

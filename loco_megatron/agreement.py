@@ -17,13 +17,13 @@ from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .config import LoCoConfig, LoCoConfigError
+from .config import LoCoConfig, LoCoConfigError, shared_settings
 from .layout import BucketLayout
 
-#: settings that must be equal on every rank of a group (``kernels`` is local: every
-#: implementation gives the same bits)
-SHARED_SETTINGS = ("block_size", "error_dtype", "beta", "reset_interval", "start_iter",
-                   "hierarchical", "intra_node_bits")
+#: settings that must be equal on every rank of a group, from the settings registry
+#: (``Setting.shared``; ``kernels`` is local: every implementation gives the same bits); ``bits``
+#: is described first, on its own
+SHARED_SETTINGS = tuple(name for name in shared_settings() if name != "bits")
 
 
 def describe(config: LoCoConfig, key: Hashable, layout: Optional[BucketLayout],

@@ -1,6 +1,6 @@
 """Compensated low-bit reduce-scatter: all-to-all of codes and scales, then a local fp32 sum.
 
-DESIGN.md §2. NCCL and gloo cannot sum 4-bit codes, so ``reduce_scatter_tensor`` becomes:
+docs/architecture.md (data flow of one bucket). NCCL and gloo cannot sum 4-bit codes, so ``reduce_scatter_tensor`` becomes:
 
 1. quantize the compensated bucket in its padded :class:`~loco_megatron.layout.BucketLayout`
    (blocks never straddle DP shards or parameters; each shard is a whole number of blocks);
@@ -46,7 +46,7 @@ class _NoTimer:
 _NO_TIMER = _NoTimer()
 
 
-def _timer(timers, name: str):
+def step_timer(timers, name: str):
     """``timers(name, log_level=2)`` (megatron.core.timers.Timers), or a no-op timer."""
     return _NO_TIMER if timers is None else timers(name, log_level=2)
 
@@ -193,9 +193,8 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
     cfg = compensator.config
     layout = checked_layout(output, input, op, group, cfg.block_size, layout)
-    world, n = layout.world, layout.numel
-    shard = layout.shard
-    compress_timer, comm_timer, decompress_timer = (_timer(timers, n) for n in TIMER_NAMES)
+    world, shard = layout.world, layout.shard
+    compress_timer, comm_timer, decompress_timer = (step_timer(timers, n) for n in TIMER_NAMES)
     compress_timer.start()
     payload, scales = compensator.compress(key, input.view(-1), layout)
     compress_timer.stop()

@@ -1,6 +1,6 @@
 """LoCo error compensation: per-bucket error buffers with moving average, resets and int8 storage.
 
-Implements steps 1-4 of LoCo (arXiv 2407.04480, Alg. 1; DESIGN.md §1) for one data-parallel
+Implements steps 1-4 of LoCo (arXiv 2407.04480, Alg. 1; the steps and reference arithmetic: loco_megatron/algorithm.py) for one data-parallel
 rank::
 
     h_t = g_t + e_{t-1}                                   (compensate)
@@ -13,10 +13,9 @@ identity, and checked against the bucket's numel, as PyTorch's ``ddp_comm_hooks`
 key their error dicts by bucket index.
 """
 
-import logging
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Dict, Hashable, List, Optional, Tuple
+from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
@@ -28,7 +27,6 @@ from .layout import BucketLayout
 __all__ = ["Compensator", "CompensatorStats", "ErrorBuffer", "STORAGE_FIELDS", "decode_entry",
            "validate_entry"]
 
-logger = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=256)
@@ -39,7 +37,12 @@ def _wire_order_layout(numel: int, block_size: int) -> BucketLayout:
 
 @dataclass
 class CompensatorStats:
-    """Counters since construction: calls, resets, and per-key steps (compress calls)."""
+    """Counters since construction: calls, resets, and per-key steps.
+
+    ``steps`` is read by reports and tests; it is written only through the
+    :class:`Compensator` step-counter API (:meth:`~Compensator.step_of`,
+    :meth:`~Compensator.count_step`, :meth:`~Compensator.set_step`, and :meth:`~Compensator.compress`
+    advancing its bucket's counter)."""
 
     calls: int = 0
     resets: int = 0
@@ -65,6 +68,30 @@ class Compensator:
         self.last_nonfinite: Dict[Hashable, torch.Tensor] = {}
         #: a :class:`~loco_megatron.metrics.StepMetrics` fed by :meth:`compress`, or None (no cost)
         self.metrics = None
+
+    # ---- per-bucket step counters: schedule resets and --loco-start-iter, saved in checkpoints
+
+    def step_of(self, key: Hashable) -> int:
+        """Optimizer steps bucket ``key`` has taken (0 before its first)."""
+        return self.stats.steps.get(key, 0)
+
+    def count_step(self, key: Hashable) -> None:
+        """Count one optimizer step of ``key`` that did not go through :meth:`compress` (the
+        ``--loco-start-iter`` warm-up at full precision)."""
+        self.stats.steps[key] = self.step_of(key) + 1
+
+    def set_step(self, key: Hashable, step: int) -> None:
+        """Set ``key``'s counter (a checkpoint restore: resets stay on the same steps)."""
+        self.stats.steps[key] = int(step)
+
+    def error_buffer(self, key: Hashable, numel: int, device) -> ErrorBuffer:
+        """Bucket ``key``'s :class:`ErrorBuffer` of ``numel`` elements (fp32 work dtype),
+        created as zeros if it does not exist (the checkpoint's view of a never-used bucket).
+
+        Raises:
+            RuntimeError: the buffer exists with another number of elements.
+        """
+        return self._buffer(key, numel, torch.float32, device)
 
     def _buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device) -> ErrorBuffer:
         buf = self.errors.get(key)
@@ -125,7 +152,7 @@ class Compensator:
         buf = self._buffer(key, table.padded_numel, work, g.device)
         own_counter = step is None
         if own_counter:
-            step = self.stats.steps.get(key, 0)
+            step = self.step_of(key)
         reset = bool(cfg.reset_interval and step > 0 and step % cfg.reset_interval == 0)
         if reset:
             self.stats.resets += 1
@@ -139,7 +166,7 @@ class Compensator:
             self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,
                                 nonfinite)
         if own_counter:
-            self.stats.steps[key] = step + 1
+            self.set_step(key, step + 1)
         self.stats.calls += 1
         return payload, scales
 
@@ -186,60 +213,8 @@ class Compensator:
         for buf in self.errors.values():
             buf.zero_()
 
-    # ---- checkpointing (torchtitan-style ``Stateful``: state_dict / load_state_dict) ----
-
-    def fingerprint(self) -> Dict[str, object]:
-        """Settings that must match for saved error buffers to be meaningful."""
-        cfg = self.config
-        return {"bits": cfg.bits, "block_size": cfg.block_size, "error_dtype": cfg.error_dtype}
-
-    def state_dict(self) -> Dict[str, object]:
-        """This rank's LoCo state: fingerprint, per-bucket step counters and error buffers.
-
-        Returns a dict of plain Python values and CPU tensors (``torch.save``-able); error
-        buffers as ``{"numel", "codes" int8, "scales" fp32}`` (int8 storage) or
-        ``{"numel", "values"}`` (fp32 storage), keyed by the stable bucket ids.
-        """
-        errors = {}
-        for key, buf in self.errors.items():
-            errors[key] = {"numel": buf.numel,
-                           **{name: t.cpu().clone() for name, t in buf.tensors().items()}}
-        return {"version": 1, "fingerprint": self.fingerprint(),
-                "steps": dict(self.stats.steps), "errors": errors}
-
-    def load_state_dict(self, state: Dict[str, object], device=None) -> List[str]:
-        """Restore :meth:`state_dict` output. Returns the warnings it logged (empty when the
-        state was restored exactly).
-
-        Policy: step counters are always restored (resets stay on the same optimizer steps);
-        error buffers are reset to zero, with a warning, when bits/block size/storage changed or
-        a bucket's numel differs from the saved one.
-
-        Raises:
-            ValueError: a malformed entry (missing field, wrong dtype or shape), naming the key.
-        """
-        notes = []
-        self.stats.steps = {k: int(v) for k, v in state.get("steps", {}).items()}
-        saved_fp = state.get("fingerprint")
-        if saved_fp != self.fingerprint():
-            notes.append(f"LoCo settings changed since the checkpoint ({saved_fp} -> "
-                         f"{self.fingerprint()}): error buffers reset to zero")
-            self.errors.clear()
-        else:
-            for key, entry in state.get("errors", {}).items():
-                if not isinstance(entry, dict) or "numel" not in entry:
-                    raise ValueError(f"LoCo checkpoint entry {key}: expected a dict with numel")
-                numel = int(entry["numel"])
-                current = self.errors.get(key)
-                if current is not None and current.numel != numel:
-                    self.errors.pop(key)
-                    notes.append(f"LoCo error buffer {key}: checkpoint has {numel} elements, the "
-                                 f"bucket has {current.numel} (bucket layout changed): reset to zero")
-                    continue
-                self.restore_error(key, entry, numel, device or "cpu", where=f"entry {key}")
-        for note in notes:
-            logger.warning(note)
-        return notes
+    # ---- checkpoint restore (the saved shape and the resume policy:
+    # loco_megatron/megatron/checkpoint/state.py, ``OptimizerLoCo.state_dict``) ----
 
     def restore_error(self, key: Hashable, entry: Dict[str, torch.Tensor], numel: int, device,
                       where: str) -> None:

@@ -130,7 +130,7 @@ class LoCoConfig:
     hierarchical: bool = _setting(
         False, "--loco-hierarchical", "two-stage reduce-scatter: intra-node, then inter-node",
         shared=True, checkpoint=None)
-    """Two-stage reduce-scatter (``--loco-hierarchical``; DESIGN.md §2, docs/hierarchical.md):
+    """Two-stage reduce-scatter (``--loco-hierarchical``; docs/hierarchical.md):
     within each node at ``intra_node_bits``, then across nodes at ``bits`` with its own error
     buffer. Nodes are read from the launcher's ``LOCAL_WORLD_SIZE`` (ranks placed contiguously
     per node, as torchrun and Slurm do). The inter-node stage uses ``bits``; with ``bits``

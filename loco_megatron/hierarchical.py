@@ -1,6 +1,6 @@
 """Hierarchical compensated reduce-scatter: intra-node stage, then a 4/8-bit inter-node stage.
 
-DESIGN.md §2 (hierarchical variant, as in the authors' DeepSpeed/ZeRO++ implementation);
+docs/hierarchical.md (hierarchical variant, as in the authors' DeepSpeed/ZeRO++ implementation);
 docs/hierarchical.md. A data-parallel group of ``N = M * L`` ranks spans ``M`` nodes with ``L``
 of its ranks each (node of global rank ``g``: ``g // LOCAL_WORLD_SIZE``; torchrun and Slurm
 place ranks contiguously per node). Group rank ``s`` has node ``m`` and local index ``l`` (its
@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
-from .collectives import (TIMER_NAMES, WireStats, _timer, checked_layout, compensated_reduce_scatter,
-                          launch, shard_only_layout)
+from .collectives import (TIMER_NAMES, WireStats, checked_layout, compensated_reduce_scatter,
+                          launch, shard_only_layout, step_timer)
 from .compensator import Compensator
 from .config import LoCoConfigError
 from .layout import BucketLayout
@@ -216,9 +216,8 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     layout = checked_layout(output, input, op, group, cfg.block_size, layout,
                             nodes=f" ({M} nodes x {L})")
     world, n = layout.world, layout.numel
-    steps = compensator.stats.steps
-    step = steps.get(key, 0)
-    steps[key] = step + 1
+    step = compensator.step_of(key)  # the stage buffers follow the bucket's counter
+    compensator.count_step(key)
     if M == 1 and cfg.intra_node_bits == 16:  # one node: the intra stage is all there is
         if stats is not None:
             sent = (world - 1) * (n // world) * input.element_size()
@@ -230,7 +229,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     rank, P, bs = dist.get_rank(group), layout.padded_shard, cfg.block_size
     peers, column = topo.nodes[topo.node_of(rank)], topo.column(topo.local_of(rank))
     order = topo.stage1_order(rank)
-    compress_timer, comm_timer, decompress_timer = (_timer(timers, t) for t in TIMER_NAMES)
+    compress_timer, comm_timer, decompress_timer = (step_timer(timers, t) for t in TIMER_NAMES)
 
     # stage 1: intra-node all-to-all of M shards per peer
     compress_timer.start()

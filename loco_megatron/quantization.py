@@ -1,6 +1,6 @@
 """Blockwise symmetric absmax quantizer ``Q_b`` / ``deQ`` and 4-bit packing (torch reference).
 
-DESIGN.md §1: ``scale = absmax(block) / (2^(b-1) - 1)`` (at most :func:`max_scale`),
+LoCo's ``Q_b`` (loco_megatron/algorithm.py, step 2): ``scale = absmax(block) / (2^(b-1) - 1)`` (at most :func:`max_scale`),
 ``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest (ties to even, as
 ``torch.round``). An all-zero block gets scale 0 and codes 0, never NaN. Scales are fp32 (wire
 overhead ``32 / block_size`` bits per element). 4-bit codes are stored as two's-complement
@@ -15,12 +15,12 @@ from typing import Tuple
 
 import torch
 
-SUPPORTED_BITS = (4, 8)
+from .config import COMPRESSED_BITS
 
 
 def _check_bits(bits: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits} is not supported by the quantizer; use one of {SUPPORTED_BITS}")
+    if bits not in COMPRESSED_BITS:
+        raise ValueError(f"bits={bits} is not supported by the quantizer; use one of {COMPRESSED_BITS}")
 
 
 def qmax(bits: int) -> int:

@@ -1,4 +1,4 @@
-"""Default corpus, local tokenizer training and JSONL -> Megatron indexed dataset (DESIGN.md §6).
+"""Default corpus, local tokenizer training and JSONL -> Megatron indexed dataset (docs/architecture.md).
 
 Modules: ``corpus`` (document readers), ``sources`` (corpus selection), ``tokenizer``
 (byte-level BPE training/saving), ``indexed`` (``.bin``/``.idx`` writing), ``cache``

@@ -4,7 +4,7 @@ A *document* is one ``str`` (one source file, or one JSONL record's text field).
 Both readers are generators, so a corpus is streamed and can be read twice (once
 to train the tokenizer, once to tokenize) without holding it in memory.
 
-Default corpus (DESIGN.md §6): every ``*.py`` file under
+Default corpus (docs/architecture.md): every ``*.py`` file under
 ``sysconfig.get_paths()['stdlib']`` except ``site-packages/`` (third-party code) and
 ``__pycache__/``. The stdlib's own test suites (``test/``, ``idlelib/idle_test/``, ...)
 are *included*: they are real, hand-written Python, and with them the corpus is about

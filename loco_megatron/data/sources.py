@@ -1,6 +1,6 @@
 """Which corpus to prepare: its cache name, input files, document stream and build params.
 
-Two kinds (DESIGN.md §6): the default corpus, the running Python's standard library
+Two kinds (docs/architecture.md): the default corpus, the running Python's standard library
 (``python3.12-stdlib``, read by :func:`corpus.iter_py_documents`), or user JSONL files
 (``jsonl-<first file stem>-<hash of key and absolute paths>``). With ``max_docs`` only
 the first ``max_docs`` documents are used and ``-n<max_docs>`` is appended to the name,

@@ -1,4 +1,4 @@
-"""CPU stand-in for CUDA (tests and CPU runs only; never active on a GPU). DESIGN.md §7."""
+"""CPU stand-in for CUDA (tests and CPU runs only; never active on a GPU). docs/architecture.md (CPU emulation)."""
 
 from .cpu_cuda import activate, activate_if_no_gpu, deactivate, is_active
 

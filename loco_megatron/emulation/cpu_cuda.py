@@ -1,6 +1,6 @@
 """CPU stand-in for CUDA so that megatron-core's CUDA-assuming code runs on CPU tensors with gloo.
 
-DESIGN.md §7. megatron-core writes ``device='cuda'``, ``torch.cuda.current_device()``,
+docs/architecture.md (CPU emulation). megatron-core writes ``device='cuda'``, ``torch.cuda.current_device()``,
 ``.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'``, CUDA RNG and streams in a few dozen
 places. :func:`activate` makes those work on CPU:
 

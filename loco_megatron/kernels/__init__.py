@@ -1,4 +1,4 @@
-"""Fused compression kernels, one contract for three implementations (DESIGN.md §1-2, §9).
+"""Fused compression kernels, one contract for three implementations (docs/kernels.md; the arithmetic: loco_megatron/algorithm.py).
 
 The hot path of LoCo has two halves, each a single pass over the data:
 
@@ -12,7 +12,7 @@ The hot path of LoCo has two halves, each a single pass over the data:
 
 Implementations (``--loco-kernels``, :attr:`~loco_megatron.config.LoCoConfig.kernels`):
 
-``torch``   the reference: plain torch ops (:mod:`.reference`), any device, fp64 for exact tests.
+``torch``   the reference: plain torch ops (:mod:`loco_megatron.algorithm`), any device, fp64 for exact tests.
 ``cpu``     a C loop over blocks compiled on first use (:mod:`.cpu`), CPU tensors.
 ``triton``  Triton kernels (:mod:`.triton_kernels`), CUDA tensors (CPU under
             ``TRITON_INTERPRET=1``, for tests).
@@ -71,7 +71,7 @@ def _module(impl: str):
     elif impl == "cpu":
         from . import cpu as mod
     else:
-        from . import reference as mod
+        from .. import algorithm as mod
     return mod
 
 

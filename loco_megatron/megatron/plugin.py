@@ -1,6 +1,6 @@
 """Install / uninstall LoCo into megatron-core's gradient-buffer reduce path.
 
-The seam (DESIGN.md §3; megatron/core/distributed/param_and_grad_buffer.py, 0.13-0.19):
+The seam (docs/architecture.md; megatron/core/distributed/param_and_grad_buffer.py, 0.13-0.19):
 ``_ParamAndGradBucketGroup.start_grad_sync`` reduce-scatters each bucket's ``grad_data`` into
 its DP shard through the module global ``dist_reduce_scatter_func``, inside a
 ``torch.distributed._coalescing_manager``. Swapping only that global silently skips the
@@ -256,12 +256,12 @@ def _count_warmup_step(state: LoCoState, group) -> bool:
     the warm-up (its step counter below ``config.start_iter``); False once LoCo has started."""
     if any(getattr(b, "loco_generation", None) != state.generation for b in group.buckets):
         return False  # not this install's model: the compressed path refuses it clearly
-    steps = state.compensator.stats.steps
+    comp = state.compensator
     keys = [bucket.loco_key for bucket in group.buckets]
-    if max(steps.get(key, 0) for key in keys) >= state.config.start_iter:
+    if max(comp.step_of(key) for key in keys) >= state.config.start_iter:
         return False
     for key in keys:
-        steps[key] = steps.get(key, 0) + 1
+        comp.count_step(key)
     return True
 
 

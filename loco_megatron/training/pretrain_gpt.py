@@ -1,6 +1,6 @@
 """GPT pretraining with LoCo through Megatron's own training loop (``megatron.training``).
 
-The role of Megatron-LM's ``pretrain_gpt.py``, written for this package (DESIGN.md §6): a model
+The role of Megatron-LM's ``pretrain_gpt.py``, written for this package (docs/architecture.md): a model
 provider, a forward step and a dataset provider, handed to ``megatron.training.pretrain`` of the
 installed megatron-core (>= 0.17 wheels ship ``megatron.training``). Every Megatron-LM flag works
 (``--save``, ``--load``, ``--data-path``, ``--tensorboard-dir``, ...), plus the ``--loco-*``

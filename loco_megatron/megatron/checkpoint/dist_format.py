@@ -28,7 +28,7 @@ from typing import Dict, Iterator, List
 import torch
 
 from .. import compat
-from .state import OptimizerLoCo, apply
+from .state import OptimizerLoCo
 
 REQUEST = "__loco__"
 _mapping = compat.dist_checkpointing_mapping
@@ -53,26 +53,21 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
                                         "sum_range": r.sum_range} for r in view.buckets}}
         return {REQUEST: m.LocalNonpersistentObject(request),
                 "meta": m.ShardedObject(meta_key, None, (1,), (0,), replica_id=meta_replica)}
-    meta = view.meta()
-    if not compat.supports_uneven_sharded_tensors():  # megatron-core < 0.15: exact form only
-        meta["forms"] = [f for f in meta["forms"] if f != "sum"]
-    entry = {"meta": m.ShardedObject(meta_key, meta, (1,), (0,), replica_id=meta_replica),
+    # megatron-core < 0.15 cannot save uneven sharded tensors: the exact form only there
+    state = view.state_dict(None if compat.supports_uneven_sharded_tensors() else ["exact"])
+    entry = {"meta": m.ShardedObject(meta_key, state["meta"], (1,), (0,), replica_id=meta_replica),
              "exact": {}, "sum": {}}
-    if "exact" not in meta["forms"]:
-        return entry
     for ref in view.buckets:
         base = f"{view.prefix}.{ref.name}"
-        entry["exact"][ref.name] = {
-            field: _exact_tensor(f"{base}.exact.{field}", t, grid)
-            for field, t in view.exact(ref).items()}
-        if "sum" not in meta["forms"]:
-            continue
-        values = view.summed_shard(ref)
-        if values.numel():
+        if ref.name in state["exact"]:
+            entry["exact"][ref.name] = {
+                field: _exact_tensor(f"{base}.exact.{field}", t, grid)
+                for field, t in state["exact"][ref.name].items()}
+        values = state["sum"].get(ref.name)
+        if values is not None and values.numel():
             entry["sum"][ref.name] = _sum_tensor(f"{base}.error_sum", values, ref.numel_unpadded,
                                                  ref.sum_range[0], replica_id=view.instance)
     return entry
-
 
 def _grid(view: OptimizerLoCo) -> List[List[int]]:
     """``[[rank, world], ...]`` of the exact form's leading axes: DP, or instance and DP."""
@@ -186,7 +181,8 @@ def apply_loaded(loaded) -> int:
 
 
 def load_entry(view: OptimizerLoCo, entry: dict) -> List[str]:
-    """Apply a loaded ``"loco"`` entry to ``view`` (see :func:`state.apply`)."""
+    """Apply a loaded ``"loco"`` entry (``{"meta", "exact", "sum"}``, the shape of
+    :meth:`OptimizerLoCo.state_dict`) to ``view`` (:meth:`OptimizerLoCo.load_state_dict`)."""
     req = entry.get(REQUEST)
     if isinstance(req, dict) and req.get("applied"):
         return []  # already applied right after dist_checkpointing.load
@@ -194,5 +190,4 @@ def load_entry(view: OptimizerLoCo, entry: dict) -> List[str]:
         raise RuntimeError("LoCo: the distributed checkpoint was loaded without "
                            "loco_megatron's dist_checkpointing.load hook; call "
                            "loco_megatron.install() before loading")
-    return apply(view, entry.get("meta"), entry.get("exact") or None, entry.get("sum") or None,
-                 req["source"])
+    return view.load_state_dict(entry, req["source"])

@@ -1,6 +1,6 @@
 """The LoCo state one ``DistributedOptimizer`` saves and restores, and the resume policy.
 
-DESIGN.md §4. Each DistributedOptimizer owns gradient buffers (``optimizer.buffers``) whose
+docs/architecture.md (checkpoints). Each DistributedOptimizer owns gradient buffers (``optimizer.buffers``) whose
 buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own bucket names
 (``gbuf_idx_{g}.bucket_idx_{b}``, as in ``DistributedOptimizer.sharded_param_state_dp_reshardable``):
 
@@ -16,7 +16,7 @@ buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own
   the error buffers with one warning;
 * ``sum``: the DP-sum of all ranks' errors, reduce-scattered, in the bucket's
   ``dp_reshardable`` index space ``[0, numel_unpadded)`` (rank ``r`` keeps
-  ``[r * shard, (r + 1) * shard)``). Error feedback only guarantees the summed error (DESIGN §1),
+  ``[r * shard, (r + 1) * shard)``). Error feedback only guarantees the summed error (loco_megatron/algorithm.py),
   so after a DP-size change each rank puts its shard of the sum in its own shard range of the
   new layout (zero elsewhere): the DP-sum is preserved up to one fp32 rounding (int8 storage
   adds its usual half step).
@@ -37,6 +37,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ...config import CONVERT, RESET, fingerprint, fingerprint_fields
 from ...hierarchical import INTER, INTRA
 from ...layout import BucketLayout
 from .. import compat
@@ -145,7 +146,7 @@ class OptimizerLoCo:
 
     def meta(self) -> Dict[str, object]:
         """Plain-Python description of the saved state (same on every DP rank)."""
-        cfg, steps = self.state.config, self.state.compensator.stats.steps
+        cfg, comp = self.state.config, self.state.compensator
         extra = {"instances": self.instances} if self.instances > 1 else {}
         layout = agree.model_parallel_layout()
         if layout is not None:  # a resume at another TP/PP/EP size resets on every rank
@@ -153,22 +154,62 @@ class OptimizerLoCo:
         return {
             **extra, "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
             "hierarchical": self.hierarchy,
-            "fingerprint": {"bits": cfg.bits, "block_size": cfg.block_size,
-                            "error_dtype": cfg.error_dtype, "beta": cfg.beta,
-                            "reset_interval": cfg.reset_interval},
+            "fingerprint": fingerprint(cfg),
             "buckets": {r.name: {"numel": r.bucket.grad_data.numel(),
                                  "numel_unpadded": r.numel_unpadded,
                                  "error_numel": r.error_numel, "params": r.params(),
                                  "stages": {p: n for p, _, n in self.stages(r)},
-                                 "step": int(steps.get(r.key, 0))} for r in self.buckets},
+                                 "step": comp.step_of(r.key)} for r in self.buckets},
         }
+
+    # ---- the one checkpoint state shape, serialised by both formats (torch_format, dist_format)
+
+    def state_dict(self, forms: Optional[List[str]] = None) -> Dict[str, object]:
+        """This optimizer's LoCo state, as both checkpoint formats save it (torchtitan-style
+        ``Stateful``)::
+
+            {"meta": meta(), "exact": {bucket name: {field: live tensor}},
+             "sum": {bucket name: fp32 [len(sum_range)]}}
+
+        Collective over the DP group (and instances) when the ``sum`` form is saved: every rank
+        must call it. ``forms`` restricts the saved forms (default :attr:`forms`; megatron-core
+        < 0.15 cannot save the uneven ``sum`` shards); ``meta["forms"]`` says what is there.
+        Tensors are live (no copy): the torch format copies them to the CPU, the torch_dist
+        format wraps them in ``ShardedTensor``.
+        """
+        meta = self.meta()
+        if forms is not None:
+            meta["forms"] = [f for f in meta["forms"] if f in forms]
+        exact, sums = {}, {}
+        if "exact" in meta["forms"]:
+            exact = {ref.name: self.exact(ref) for ref in self.buckets}
+        if "sum" in meta["forms"]:
+            sums = {ref.name: self.summed_shard(ref) for ref in self.buckets}  # collective
+        return {"meta": meta, "exact": exact, "sum": sums}
+
+    def load_state_dict(self, state: Optional[Dict[str, object]], source: str,
+                        data_file: Optional[str] = None) -> List[str]:
+        """Restore from a saved :meth:`state_dict` by the resume policy (:func:`apply`).
+
+        Args:
+            state: ``{"meta", "exact", "sum"}`` as read back (``exact`` only when saved at the
+                same DP grid, ``sum`` as this rank's range of each bucket's summed error), or
+                None when the checkpoint holds no LoCo state.
+            source: the checkpoint, for messages (the same on every rank).
+            data_file: the file ``exact`` was read from, for errors (default ``source``).
+
+        Returns and raises as :func:`apply`.
+        """
+        state = state or {}
+        return apply(self, state.get("meta"), state.get("exact") or None,
+                     state.get("sum") or None, source, data_file)
 
     def _error(self, ref: BucketRef, key=None, numel=None):
         """``ref``'s :class:`ErrorBuffer` (or the stage buffer ``key`` of ``numel`` elements),
         created as zeros if never used."""
-        return self.state.compensator._buffer(ref.key if key is None else key,
-                                              ref.error_numel if numel is None else numel,
-                                              torch.float32, ref.bucket.grad_data.device)
+        return self.state.compensator.error_buffer(ref.key if key is None else key,
+                                                   ref.error_numel if numel is None else numel,
+                                                   ref.bucket.grad_data.device)
 
     def exact(self, ref: BucketRef) -> Dict[str, torch.Tensor]:
         """This rank's stored error tensors for ``ref`` (live tensors, zeros if never used);
@@ -218,7 +259,7 @@ def validate_meta(meta, where: str) -> None:
 
 def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
           sums: Optional[dict], source: str, data_file: Optional[str] = None) -> List[str]:
-    """Restore ``view``'s error buffers from a checkpoint by the resume policy (DESIGN §4).
+    """Restore ``view``'s error buffers from a checkpoint by the resume policy (docs/architecture.md).
 
     Args:
         view: the optimizer being loaded.
@@ -253,8 +294,8 @@ def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
         step=max(saved_steps) if saved_steps and view.buckets else None,
         saved_layout=meta.get("model_parallel") if isinstance(meta, dict) else None,
         source=source, reset_all=lambda: [_reset(view, ref) for ref in view.buckets],
-        set_steps=lambda step: view.state.compensator.stats.steps.update(
-            {ref.key: step for ref in view.buckets}))
+        set_steps=lambda step: [view.state.compensator.set_step(ref.key, step)
+                                for ref in view.buckets])
     if agree.in_round():
         agree.record(outcome)
     else:
@@ -291,9 +332,9 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
     validate_meta(meta, data_file)
     saved_fp, saved = meta["fingerprint"], meta["buckets"]
     for ref in view.buckets:  # resets stay on the same optimizer steps
-        comp.stats.steps[ref.key] = int(saved.get(ref.name, {}).get("step", 0))
+        comp.set_step(ref.key, saved.get(ref.name, {}).get("step", 0))
     cfg = state.config
-    changed = [k for k in ("bits", "block_size") if saved_fp.get(k) != getattr(cfg, k)]
+    changed = [k for k in fingerprint_fields(RESET) if saved_fp.get(k) != getattr(cfg, k)]
     if changed:
         for ref in view.buckets:
             reset(ref)
@@ -354,9 +395,10 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
                f"--ddp-pad-buckets-for-high-nccl-busbw)")
         note(logging.WARNING, f"LoCo: {why}: {resharded} error buffers resharded from the "
                               f"DP-summed form")
-    if saved_fp.get("error_dtype") != cfg.error_dtype:
-        note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get('error_dtype')} -> "
-                              f"{cfg.error_dtype}; saved errors converted")
+    for k in fingerprint_fields(CONVERT):  # error storage: int8 <-> fp32
+        if saved_fp.get(k) != getattr(cfg, k):
+            note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get(k)} -> "
+                                  f"{getattr(cfg, k)}; saved errors converted")
 
 
 def _reset(view: OptimizerLoCo, ref: BucketRef) -> None:
@@ -397,7 +439,3 @@ def _restore_from_sum(view: OptimizerLoCo, ref: BucketRef, values, where: str) -
     full[start:start + ref.layout.shard] = shard
     view.state.compensator.set_error(ref.key, ref.layout.to_padded(full, torch.float32))
 
-
-def exact_entries(view: OptimizerLoCo) -> Dict[str, Dict[str, torch.Tensor]]:
-    """``{bucket name: {field: tensor}}`` of this rank's exact error buffers."""
-    return {ref.name: view.exact(ref) for ref in view.buckets}

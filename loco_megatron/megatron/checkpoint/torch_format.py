@@ -32,7 +32,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .state import OptimizerLoCo, apply, exact_entries, validate_meta
+from .state import OptimizerLoCo, validate_meta
 
 
 def sidecar_path(filename: str, index: int, dp_rank: int, instance: int = 0) -> str:
@@ -52,16 +52,13 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
             for path in _rank_files(filename, index).values():
                 os.remove(path)
         return None
-    meta = view.meta()
-    exact, sums = {}, {}
-    if "exact" in meta["forms"]:
-        exact = {name: {k: t.detach().cpu().clone() for k, t in fields.items()}
-                 for name, fields in exact_entries(view).items()}
-        for ref in view.buckets if "sum" in meta["forms"] else ():
-            values = view.summed_shard(ref)  # collective: every instance takes part
-            if view.instance == 0:
-                sums[ref.name] = {"start": ref.sum_range[0],
-                                  "values": values.detach().cpu().clone()}
+    state = view.state_dict()  # collective (the summed error): every instance takes part
+    meta = state["meta"]
+    exact = {name: {k: t.detach().cpu().clone() for k, t in fields.items()}
+             for name, fields in state["exact"].items()}
+    sums = {} if view.instance else {  # the sum over every instance: in instance 0's files
+        ref.name: {"start": ref.sum_range[0], "values": state["sum"][ref.name].detach().cpu().clone()}
+        for ref in view.buckets if ref.name in state["sum"]}
     if view.dp_rank == 0:  # files of ranks beyond this DP size are stale (an earlier save)
         for rank, path in _rank_files(filename, index).items():
             if rank >= view.dp_size:
@@ -142,9 +139,9 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
                              f"exists; restore it, "
                              f"or delete every loco_state_{index}_dp*.pt to resume with zero "
                              f"error buffers")
-        return apply(view, None, None, None, source)
+        return view.load_state_dict(None, source)
     if not view.state.active:
-        return apply(view, {"observed": True}, None, None, source)
+        return view.load_state_dict({"meta": {"observed": True}}, source)
     meta = _read(first)["meta"]
     exact = sums = None
     data_file = first
@@ -157,7 +154,7 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
                           for r in view.buckets)
     if "sum" in meta["forms"] and (exact is None or padding_changed):
         sums = _gather_sums(view, meta, filename, index)
-    return apply(view, meta, exact, sums, source, data_file)
+    return view.load_state_dict({"meta": meta, "exact": exact, "sum": sums}, source, data_file)
 
 
 def _first_rank_here(view: OptimizerLoCo, filename: str) -> int:

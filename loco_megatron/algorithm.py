@@ -1,0 +1,94 @@
+"""LoCo, the algorithm: start reading here.
+
+LoCo (arXiv 2407.04480, Algorithm 1) compresses each data-parallel rank's gradient to ``b``
+bits (4 by default) before the reduce-scatter, and feeds the compression error back into the
+next step's gradient through a moving average kept in 8 bits. For one gradient bucket on one
+rank, at optimizer step ``t`` (``g_t``: the local gradient; ``e``: the bucket's error buffer):
+
+    0. reset       e_{t-1} = 0                  every ``reset_interval`` steps (paper: T)
+    1. compensate  h_t = g_t + e_{t-1}
+    2. quantize    c_t = Q_b(h_t)               blockwise absmax, one fp32 scale per block;
+                                                c_t is what goes on the wire
+    3. error       e_t = beta * e_{t-1} + (1 - beta) * (h_t - deQ(c_t))
+                                                stored in int8 with a scale per block (or fp32)
+    4. reduce      every rank sends each peer that peer's shard of c_t (all-to-all); each
+                   rank decodes the codes it received and sums them into its gradient shard
+                   (the reduce-scatter's result, averaged by DP size where megatron averages)
+
+This module is the reference arithmetic of steps 0-4 in plain torch: any device, any dtype
+(fp64 stays fp64, so exact identities can be tested), several passes and temporaries over the
+bucket. It is also ``--loco-kernels torch``. The fused kernels reproduce it bit for bit in one
+pass: :mod:`loco_megatron.kernels.cpu` (C) and :mod:`loco_megatron.kernels.triton_kernels`
+(Triton); :func:`loco_megatron.kernels.compress_bucket` dispatches between them.
+
+Where the other steps live: ``Q_b`` / ``deQ`` and 4-bit packing in
+:mod:`loco_megatron.quantization`; the error buffer's int8 storage in
+:mod:`loco_megatron.error_buffer`; the per-bucket error buffers, step counters and resets in
+:class:`loco_megatron.compensator.Compensator`; the block layout (blocks cut at DP-shard and
+parameter boundaries, padded) in :mod:`loco_megatron.layout`; step 4's collectives in
+:mod:`loco_megatron.collectives` (flat) and :mod:`loco_megatron.hierarchical` (two-stage); the
+megatron-core seam in :mod:`loco_megatron.megatron.plugin`. Non-finite blocks: the block is still
+sent (megatron's NaN check and fp16 loss scaler must see it) but keeps its previous error.
+"""
+
+import torch
+
+from .quantization import dequantize_blockwise, decode, pack_codes, quantize_blockwise
+
+
+def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
+    """Steps 0-3 for one bucket: reset, compensate, quantize, error update.
+
+    Args:
+        g: the bucket's local gradient, flat ``[table.layout.numel]`` (fp32/bf16/fp16/fp64).
+        table: its :class:`~loco_megatron.kernels.block_table.BlockTable` (wire layout).
+        err: its :class:`~loco_megatron.error_buffer.ErrorBuffer` (``[padded numel]``), updated
+            in place.
+        bits: 4 or 8. beta: the moving-average factor. reset: step 0 applies this step.
+        want_err_sq: also return the squared norm of this step's compression error (telemetry).
+
+    Returns:
+        ``(payload uint8 [n * bits / 8], scales fp32 [n / block], non-finite blocks int32 [],
+        error squared norm fp64 [] or None, None)`` for the ``n`` padded elements; the same as
+        :func:`loco_megatron.kernels.compress_bucket`.
+    """
+    block = table.block_size
+    work = torch.float64 if g.dtype == torch.float64 else torch.float32
+    if reset:  # step 0: reset
+        err.zero_()
+    e_prev = err.get()
+    h = table.layout.to_padded(g.view(-1), work) + e_prev  # step 1: compensate
+    codes, scales = quantize_blockwise(h, bits, block)  # step 2: quantize
+    scales = scales.float()  # as sent: the error is measured against what peers decode
+    err_now = h - dequantize_blockwise(codes, scales, block, dtype=work)  # step 3: error update
+    new = beta * e_prev + (1.0 - beta) * err_now if beta else err_now
+    bad = ~torch.isfinite(scales)  # [nblocks]: a NaN/inf in h (its scale is NaN/inf)
+    bad_elem = bad.repeat_interleave(block)
+    err_sq = None
+    if want_err_sq:  # fp64 sum of the finite blocks: the reference's telemetry is exact
+        err64 = err_now.masked_fill_(bad_elem, 0.0).double()
+        err_sq = torch.dot(err64, err64)
+        del err64
+    new = torch.where(bad_elem, torch.zeros((), dtype=work, device=h.device), new)
+    # a non-finite block keeps its previous error bit for bit: the storage is written only
+    # where the block was finite (read before it is overwritten, no copy of the buffer)
+    if err.storage == "int8":
+        e_codes, e_scales = quantize_blockwise(new, 8, block)
+        err.codes.copy_(torch.where(bad_elem, err.codes, e_codes))
+        err.scales.copy_(torch.where(bad, err.scales, e_scales))
+    else:
+        err.values.copy_(torch.where(bad_elem, err.values, new))
+    return pack_codes(codes, bits), scales, bad.sum(dtype=torch.int32), err_sq, None
+
+
+def decompress_shard(payload, scales, table, rank, *, bits, average, out):
+    """Step 4 on the receiving side: decode the ``table.world`` chunks this rank received
+    (its shard of every rank's codes, concatenated) and sum them into ``out`` (this rank's
+    gradient shard, ``[layout.shard]``), divided by the DP size when ``average``. Same
+    arguments as :func:`loco_megatron.kernels.decompress_shard`."""
+    work = torch.float64 if out.dtype == torch.float64 else torch.float32
+    chunks = decode(payload, scales, bits, table.block_size, dtype=work)
+    reduced = chunks.view(table.world, table.layout.padded_shard).sum(dim=0)
+    if average:  # by a tensor: CUDA divides by a Python number through its reciprocal
+        reduced /= torch.full((), table.world, dtype=work, device=reduced.device)
+    table.layout.from_padded_shard(reduced, rank, out)
