@@ -1,4 +1,4 @@
-"""Adversarial regressions for issue 6 (hierarchical mode, fp16 loss scaling, flags, grids)."""
+"""Adversarial regressions (hierarchical mode, fp16 loss scaling, flags, grids)."""
 
 import argparse
 

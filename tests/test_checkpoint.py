@@ -1,4 +1,4 @@
-"""LoCo error buffers through megatron-core checkpoints (torch and torch_dist), DESIGN §4.
+"""LoCo error buffers through megatron-core checkpoints (torch and torch_dist), docs/architecture.md (checkpoints).
 
 Every phase runs in new processes (tests/ckpt_worker.py): straight 2N steps vs N steps, save,
 new processes, load, N more; DP-size changes 4 -> 2 and 2 -> 4; the resume policy's warnings;

@@ -1,6 +1,6 @@
 """A LoCo checkpoint file that cannot be written (disk full, directory not writable): a clear
-error naming the file, no partial file left, an earlier file at that path untouched (issue 7,
-RELIABILITY.md). The failures are real OS ones: a file-size limit (RLIMIT_FSIZE, as a full
+error naming the file, no partial file left, an earlier file at that path untouched
+(RELIABILITY.md). The failures are real OS ones: a file-size limit (RLIMIT_FSIZE, as a full
 disk or quota fails a write part-way) in a child process, and a directory path that is a file.
 The end-to-end case through megatron.training (the job fails, its previous checkpoint resumes)
 is tests/test_run_pretrain.py::test_failed_save_keeps_previous_checkpoint_loadable."""

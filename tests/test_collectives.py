@@ -1,4 +1,4 @@
-"""Compensated reduce-scatter on 2, 3 and 4 gloo ranks against exact references (DESIGN.md §2)."""
+"""Compensated reduce-scatter on 2, 3 and 4 gloo ranks against exact references (docs/architecture.md)."""
 
 import pytest
 import torch

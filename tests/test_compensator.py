@@ -1,4 +1,4 @@
-"""LoCo error feedback: the two identities of DESIGN.md §1, resets, int8 storage, NaN safety."""
+"""LoCo error feedback: the two identities of error feedback (loco_megatron/algorithm.py), resets, int8 storage, NaN safety."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Failure modes on a 2-rank DP grid (issue 7, RELIABILITY.md): ranks that disagree on a
+"""Failure modes on a 2-rank DP grid (RELIABILITY.md): ranks that disagree on a
 bucket's layout fail at start-up with the same clear error, NaN/Inf in one rank's gradients with
 megatron's NaN check off never enters an error buffer (the bad block skips its update) and is
 reported in a warning. CPU ranks: gloo + CUDA emulation, the tiny GPT of megatron_worker."""

@@ -1,4 +1,4 @@
-"""LoCo under the DDP settings a megatron user runs beyond the basic grid (issue 6).
+"""LoCo under the DDP settings a megatron user runs beyond the basic grid.
 
 * bucket groups holding several buckets of two gradient buffers (fp32 and bf16 parameters),
   with ``overlap_grad_reduce`` on (asynchronous, coalesced) and off: ``disable_bucketing``

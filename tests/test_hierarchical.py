@@ -1,4 +1,4 @@
-"""The hierarchical mode (--loco-hierarchical): collective, megatron GPT, config (DESIGN.md §2).
+"""The hierarchical mode (--loco-hierarchical): collective, megatron GPT, config (docs/architecture.md).
 
 Four gloo ranks with LOCAL_WORLD_SIZE=2 emulate 2 nodes x 2 ranks. References are exact fp64
 reductions of what every rank holds; bounds are the quantizers' half steps.

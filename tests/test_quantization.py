@@ -1,4 +1,4 @@
-"""Blockwise quantizer and 4-bit packing against exact references (DESIGN.md §1)."""
+"""Blockwise quantizer and 4-bit packing against exact references (loco_megatron/algorithm.py)."""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
 """Property tests (hypothesis) of the quantizer and the fused compress kernels on awkward
 input: NaN, +-inf, denormals, values near FLT_MAX, all-zero, empty, length 1, odd lengths,
 every supported dtype (fp32, bf16, fp16; fp64 for the reference), bits 4 and 8, block sizes
-that are not powers of two (issue 7; RELIABILITY.md).
+that are not powers of two (RELIABILITY.md).
 
 Properties: a finite block gives a finite scale and finite decoded values within the
 quantization bound; a block with a NaN gets a NaN scale, one with an inf (no NaN) an inf scale,

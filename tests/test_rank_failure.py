@@ -1,6 +1,6 @@
 """A rank killed (SIGKILL) in the middle of a compensated reduce-scatter: the other ranks exit
 non-zero on their own within the process-group timeout instead of hanging, and the last
-checkpoint still loads with its LoCo error buffers (issue 7; RELIABILITY.md). Each rank is its
+checkpoint still loads with its LoCo error buffers (RELIABILITY.md). Each rank is its
 own process (python -m tests.worker_kill), as under a launcher, with gloo on CPU."""
 
 import os

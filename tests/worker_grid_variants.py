@@ -1,5 +1,5 @@
 """Rank workers for tests/test_grid_variants.py: DDP settings a megatron user runs beyond the
-basic grid (issue 6).
+basic grid.
 
 Each run trains the tiny GPT of :mod:`tests.megatron_worker` a few steps under one variant of
 ``DistributedDataParallelConfig`` / parameter dtype, as stock megatron-core, LoCo off (bits 16)

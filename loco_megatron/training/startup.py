@@ -32,13 +32,16 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     The one place where LoCo options join Megatron's parser, in every launch path (``--loco-*``
     flags from :func:`loco_megatron.cli.flags.add_loco_args`). When the parser has
     them already (a script whose own provider adds them) it is a no-op, not an argparse
-    conflict.
+    conflict. Megatron help strings that break ``--help`` are escaped
+    (:func:`.workarounds.escape_percent_in_help`).
     """
     from ..cli.flags import add_loco_args
+    from .workarounds import escape_percent_in_help
 
-    if "--loco-bits" in getattr(parser, "_option_string_actions", {}):
-        return parser
-    return add_loco_args(parser)
+    if "--loco-bits" not in getattr(parser, "_option_string_actions", {}):
+        add_loco_args(parser)
+    escape_percent_in_help(parser)
+    return parser
 
 
 def chain_args_providers(user_provider):

@@ -69,6 +69,24 @@ def apply_needed(emulated: bool) -> List[str]:
     return applied()
 
 
+def escape_percent_in_help(parser) -> List[str]:
+    """Make ``--help`` work on Megatron's parser: argparse %-formats every help string, and
+    megatron-core 0.19's ``--moe-paged-stash-buffer-size-factor-cuda`` help says ``10%)``, so
+    stock ``pretrain_gpt.py --help`` dies with ``ValueError: unsupported format character``.
+    Every help string that does not format is escaped (``%`` -> ``%%``); the others, and the
+    parsing itself, are untouched. Returns the flags whose help was escaped."""
+    fixed = []
+    for action in getattr(parser, "_actions", []):
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            action.help % dict(vars(action), prog=parser.prog)
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
+            fixed.append(action.option_strings[0] if action.option_strings else action.dest)
+    return fixed
+
+
 def prebuilt_helper_available() -> bool:
     """True when ``megatron.core.datasets.helpers_cpp`` imports (the wheel's compiled helper)."""
     try:

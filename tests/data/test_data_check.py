@@ -1,4 +1,4 @@
-"""--data-path checked before ranks start (issue 7): a missing prefix, a prefix given with its
+"""--data-path checked before ranks start: a missing prefix, a prefix given with its
 extension, a corrupted or truncated .idx and a truncated .bin each give one message naming the
 flag and file and what to do; a good dataset (and blends, --mock-data) pass."""
 
