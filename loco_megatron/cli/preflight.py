@@ -90,7 +90,7 @@ def preparse_loco_config(argv) -> LoCoConfig:
 
 
 def main(argv=None) -> int:
-    """``python -m loco_megatron.cli.flags ARGS``: check the ``--loco-*`` flags (and
+    """``python -m loco_megatron.cli.preflight ARGS``: check the ``--loco-*`` flags (and
     FSDP switches) and the ``--data-path`` files (:mod:`loco_megatron.data.check`) of ``ARGS``
     in about a second, before a launcher prepares data or starts ranks; prints ``error: ...``
     and returns 2 on a bad value, else returns 0 silently."""

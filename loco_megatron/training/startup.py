@@ -6,7 +6,7 @@ checkout (:mod:`loco_megatron.training.run_megatron_lm`) and the patched ``pretr
 
 1. :func:`prepare` - before Megatron starts: the ``--loco-*`` flags are checked (a bad value
    fails within a second), the CPU emulation is switched on when there is no GPU, and the
-   workarounds of :mod:`.training_fixes` are applied.
+   workarounds of :mod:`.workarounds` are applied.
 2. Megatron parses its arguments with :func:`extra_args_provider` chained into its own
    ``extra_args_provider`` (Megatron-LM megatron/training/arguments.py ``parse_args``).
 3. :func:`install_from_args` - after Megatron has parsed and validated them, before the model
@@ -76,7 +76,7 @@ _SAID = []
 def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> bool:
     """Before Megatron starts: expand ``--config FILE`` (YAML, :mod:`.yaml_config`), check the
     ``--loco-*`` flags and the ``--data-path`` files, switch the CPU emulation on when there is no GPU, apply
-    :mod:`.training_fixes`.
+    :mod:`.workarounds`.
 
     ``argv`` None (the launch paths) means Megatron's own ``sys.argv[1:]``, expanded in place so
     that Megatron's parser sees the file's flags before the command line's (CLI > YAML >
