@@ -113,10 +113,8 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
     applied = workarounds.apply_needed(emulated)
     if applied and not _SAID:  # once per process
         _SAID.append(True)
-        _print_rank_0(f"> LoCo: megatron.training workarounds in force for this environment "
-                      f"({'CPU emulation, ' if emulated else ''}no Transformer Engine/apex or a "
-                      f"wheel without the dataset-helper Makefile): {', '.join(applied)} "
-                      f"(docs/compatibility.md)")
+        _print_rank_0(f"> LoCo: workarounds for megatron.training in this environment: "
+                      f"{', '.join(applied)} (docs/compatibility.md)")
     return emulated
 
 

@@ -30,7 +30,11 @@ PATCH_SET = "loco-workarounds"
 _PATCHES: Optional[PatchSet] = None
 
 
-def _replace(owner: Any, attribute: str, value: Any) -> bool:
+#: why each workaround is in force, by ``(owner, attribute)``
+_REASONS = {}
+
+
+def _replace(owner: Any, attribute: str, value: Any, reason: str) -> bool:
     """Apply one workaround through the process's :class:`PatchSet`; False (nothing done) when
     it is applied already."""
     global _PATCHES
@@ -39,12 +43,13 @@ def _replace(owner: Any, attribute: str, value: Any) -> bool:
     if (owner, attribute) in [(o, a) for o, a in _PATCHES.targets()]:
         return False
     _PATCHES.replace(owner, attribute, value)
+    _REASONS[(owner, attribute)] = reason
     return True
 
 
 def applied() -> List[str]:
-    """``owner.attribute`` of every workaround in force, oldest first."""
-    return [f"{getattr(o, '__name__', o)}.{a}" for o, a in (_PATCHES.targets() if _PATCHES else [])]
+    """``attribute (why)`` of every workaround in force, oldest first."""
+    return [f"{a} ({_REASONS.get((o, a), '')})" for o, a in (_PATCHES.targets() if _PATCHES else [])]
 
 
 def remove() -> None:
@@ -132,14 +137,15 @@ def skip_helper_build_when_prebuilt() -> None:
             return
         original()
 
-    _replace(dataset_utils, "compile_helpers", compile_helpers)
+    _replace(dataset_utils, "compile_helpers", compile_helpers, "dataset helper prebuilt or built "
+             "for this interpreter")
 
 
 def skip_jit_warmup() -> None:
     """Replace ``megatron.training.initialize._warmup_jit_function`` with a no-op."""
     import megatron.training.initialize as initialize
 
-    _replace(initialize, "_warmup_jit_function", lambda *args, **kwargs: None)
+    _replace(initialize, "_warmup_jit_function", lambda *args, **kwargs: None, "CPU emulation")
 
 
 def init_torch_optimizer_states_before_load() -> None:
@@ -180,7 +186,7 @@ def init_torch_optimizer_states_before_load() -> None:
         with torch.no_grad():
             return original(model, optimizer, *args, **kwargs)
 
-    _replace(training, "load_checkpoint", load_checkpoint)
+    _replace(training, "load_checkpoint", load_checkpoint, "torch AdamW without TE/apex")
 
 
 def fix_torch_adamw_resume() -> None:
@@ -226,5 +232,6 @@ def fix_torch_adamw_resume() -> None:
                 state["step"] = state["step"].clone()
         return result
 
-    _replace(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states)
-    _replace(cls, "load_state_dict", untied_load_state_dict)
+    _replace(cls, "_set_main_param_and_optimizer_states", _set_main_param_and_optimizer_states,
+             "torch AdamW without TE/apex")
+    _replace(cls, "load_state_dict", untied_load_state_dict, "torch AdamW without TE/apex")
