@@ -1,9 +1,9 @@
 """Peak memory per rank with LoCo vs stock megatron-core, measured and against the formula.
 
 A small megatron-core GPT (``GPTModel`` + ``DistributedDataParallel`` + distributed Adam, the
-stack of tests/megatron_worker.py) trains a few steps on 2 data-parallel ranks three times in
-the same processes, after a discarded stock run that warms them up (later runs reuse memory the
-first leaves resident, which would bias the whole-run peaks by the order): stock,
+stack of tests/distributed/worker_megatron.py) trains a few steps on 2 data-parallel ranks three
+times in the same processes, after a discarded stock run that warms them up (later runs reuse
+memory the first leaves resident, which would bias the whole-run peaks by the order): stock,
 ``loco_megatron.install(LoCoConfig(bits=4, kernels="torch"))`` (the torch reference of the hot
 path) and ``kernels="auto"`` (the default: the fused C kernel on CPU tensors, Triton on CUDA
 tensors). Which implementation ran is recorded from the calls of

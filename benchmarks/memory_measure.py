@@ -206,7 +206,7 @@ def measure_worker(rank: int, world: int, modes: Tuple[str, ...], dims: Dict) ->
 def measure(modes: Tuple[str, ...], dims: Dict, world: int = 2) -> List[List[Dict]]:
     """Spawn ``world`` ranks once (NCCL with 2+ GPUs, else gloo on CPU with the GPU hidden) and
     return each rank's :func:`measure_worker` result."""
-    from tests.multiproc import run_ranks
+    from tests.helpers.multiproc import run_ranks
 
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= world
     env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD), "OMP_NUM_THREADS": "1"}
@@ -230,7 +230,7 @@ def reduce_scatter_probe(numel: int, cuts: Tuple[int, ...], bits: int, kernels: 
     """Measure (resident-set peak) one steady-state ``compensated_reduce_scatter`` of a bucket
     on a 1-rank gloo group in this process (compress, all-to-all, decompress; the shard is the
     whole bucket), against :func:`loco_memory_formula`. Meant for a fresh process started with
-    ``MALLOC_MMAP_THRESHOLD_`` (tests/test_bench_memory.py); runs ``init_process_group``.
+    ``MALLOC_MMAP_THRESHOLD_`` (tests/benchmarks/test_bench_memory.py); runs ``init_process_group``.
     ``telemetry``: with ``StepMetrics`` attached (``LoCoState.enable_metrics()``)."""
     import tempfile
 
