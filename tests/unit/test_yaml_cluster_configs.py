@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from loco_megatron.config import LoCoConfig
-from loco_megatron.cli.flags import (FLAGS, add_loco_args, check_megatron_args,
-                                              config_from_args)
+from loco_megatron.cli.flags import FLAGS, add_loco_args, config_from_args
+from loco_megatron.cli.preflight import check_megatron_args
 from loco_megatron.cli.yaml_config import expand_config_argv, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
