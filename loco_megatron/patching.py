@@ -52,16 +52,21 @@ class PatchSet:
 
     Args:
         name: unique among the applied sets (e.g. ``"loco"``, ``"loco-workarounds"``).
+        strict: :meth:`restore` refuses (changing nothing) when an attribute it replaced was
+            replaced again since, by a newer patch set or by anyone else: restoring would throw
+            their value away, or a later restore of theirs would bring a stale wrapper back.
+            False (the CPU emulation, whose targets are torch internals): restore anyway, with a
+            warning.
 
     Raises:
         PatchError: a set of that name is applied already (double application).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, strict: bool = True):
         if name in _ACTIVE:
             raise PatchError(f"patch set {name!r} is already applied; restore it first "
                              f"(loco_megatron applies each of its patch sets once)")
-        self.name = name
+        self.name, self.strict = name, strict
         #: ``(owner, attribute, the owner's own value before or _MISSING, the new value)``
         self._records: List[Tuple[Any, str, Any, Any]] = []
         _ACTIVE[name] = self
@@ -71,13 +76,20 @@ class PatchSet:
         ``getattr(owner, attribute)`` gave before (possibly inherited).
 
         Raises:
-            PatchError: this set already replaced that attribute, or the set was restored.
+            PatchError: this set already replaced that attribute, the set was restored, or the
+                attribute is a descriptor whose replacement could not be restored exactly (a
+                property, staticmethod or classmethod).
         """
         if self._records is None:
             raise PatchError(f"patch set {self.name!r} was restored; create a new one")
         if any(o is owner and a == attribute for o, a, _, _ in self._records):
             raise PatchError(f"patch set {self.name!r} already replaced "
                              f"{_describe(owner)}.{attribute}")
+        raw = (vars(owner).get(attribute) if isinstance(owner, type)
+               else getattr(type(owner), attribute, None))
+        if isinstance(raw, (property, staticmethod, classmethod)):
+            raise PatchError(f"patch set {self.name!r}: {_describe(owner)}.{attribute} is a "
+                             f"{type(raw).__name__}; patching it is not supported")
         before = getattr(owner, attribute, _MISSING)
         own = vars(owner).get(attribute, _MISSING)
         setattr(owner, attribute, value)
@@ -94,15 +106,23 @@ class PatchSet:
         """Undo every replacement, newest first: the owner's own previous value is set back,
         or the attribute deleted when the owner had none (inherited or absent). Idempotent.
 
-        An attribute replaced again by someone else since is still restored (with a warning
-        naming it): the set never leaves its own values behind.
+        Raises:
+            PatchError: (``strict`` sets) an attribute was replaced again since, by a newer set
+                (named: restore it first) or by code outside loco_megatron (undo that first);
+                nothing is restored then and the set stays applied.
         """
         if self._records is None:
             return
+        moved = [(owner, attribute) for owner, attribute, _, value in self._records
+                 if vars(owner).get(attribute, _MISSING) is not value]
+        if moved and self.strict:
+            raise PatchError(f"patch set {self.name!r} cannot be restored: " + "; ".join(
+                f"{_describe(o)}.{a} was replaced again since, by {_holder(o, a)}"
+                for o, a in moved) + "; undo that first (patches are undone newest first)")
         records, self._records = self._records, None
         try:
             for owner, attribute, own, value in reversed(records):
-                if vars(owner).get(attribute, _MISSING) is not value:
+                if (owner, attribute) in moved:
                     logger.warning("%s.%s was replaced again after patch set %r; restoring the "
                                    "original anyway", _describe(owner), attribute, self.name)
                 if own is _MISSING:
@@ -130,6 +150,16 @@ class PatchSet:
             yield self
         finally:
             self.restore()
+
+
+def _holder(owner: Any, attribute: str) -> str:
+    """Who holds ``owner.attribute`` now: the applied patch set that set it, or someone else."""
+    current = vars(owner).get(attribute, _MISSING)
+    for name, patches in _ACTIVE.items():
+        if any(o is owner and a == attribute and v is current
+               for o, a, _, v in patches._records or []):
+            return f"patch set {name!r} (restore it first)"
+    return "code outside loco_megatron's patch sets (e.g. a test's mock)"
 
 
 def _describe(owner: Any) -> str:

@@ -13,7 +13,7 @@ import argparse
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-from ..config import LoCoConfigError
+from ..config import LoCoConfig, LoCoConfigError
 from ..planner.errors import PlannerError
 
 #: Megatron-LM flags the planner reads (also from ``--config``), with their argparse type
@@ -82,16 +82,19 @@ def merged_flags(args: argparse.Namespace) -> Dict[str, Any]:
     """
     d: Dict[str, Any] = {}
     if args.config:
-        from .yaml_config import load_config
+        from .yaml_config import load_config, loco_section_to_fields
 
         try:
             d = dict(load_config(args.config))
         except LoCoConfigError as e:
             raise PlannerError(f"{e} Pass a YAML file of Megatron-LM flags, such as "
                                f"configs/llama2_7b.yaml.") from None
-        loco = d.pop("loco", None) or {}
-        if isinstance(loco, dict) and "block-size" in loco:
-            d["block-size"] = loco["block-size"]
+        try:  # every spelling of the section's keys (block-size, block_size), checked
+            loco = loco_section_to_fields(d.pop("loco", None) or {}, f"--config {args.config}")
+        except LoCoConfigError as e:
+            raise PlannerError(str(e)) from None
+        if "block_size" in loco:
+            d["block-size"] = loco["block_size"]
     for key in list(MODEL_FLAGS) + list(SWITCHES) + ["block-size"]:
         value = getattr(args, key, None)
         if value is not None:
@@ -127,9 +130,10 @@ def build_plan(args: argparse.Namespace) -> Dict:
                        _int(d, "num-distributed-optimizer-instances", 1),
                        _int(d, "data-parallel-size"))
     block = _int(d, "block-size", 256)
-    if block < 2 or block % 2:
-        raise PlannerError(f"--loco-block-size {block} must be an even integer >= 2 (256 is "
-                           f"the default).")
+    try:  # the same bounds as training (LoCoConfig)
+        LoCoConfig(bits=4, block_size=block)
+    except LoCoConfigError as e:
+        raise PlannerError(str(e)) from None
     allreduce = (args.stock_reduce_scatter == "allreduce" if args.stock_reduce_scatter
                  else args.backend == "gloo")
     opt = PlanOptions(grad_elem=2 if d.get("grad-reduce-in-bf16") else 4,

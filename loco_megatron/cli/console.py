@@ -18,7 +18,10 @@ def fail(error: Exception) -> None:
     one exits non-zero, so rank 0's line comes first and theirs normally never appears), then
     print theirs with their rank, so an error found on one rank only is not lost.
     """
-    rank = int(os.environ.get("RANK", "0"))
+    try:
+        rank = int(os.environ.get("RANK") or 0)
+    except ValueError:  # e.g. RANK=$SLURM_PROCID outside Slurm: print, as rank 0 would
+        rank = 0
     if rank == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
     else:

@@ -9,10 +9,12 @@ switches, the ``--data-path`` files and the DDP settings LoCo cannot compress.
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 from ..config import LoCoConfig, LoCoConfigError
 from .console import cli_exit_code
 from .flags import RaisingParser, add_loco_args, config_from_args
+from .yaml_config import load_config
 
 
 def check_megatron_args(args, config: LoCoConfig) -> None:
@@ -75,16 +77,25 @@ def _check_fsdp(args, config: LoCoConfig) -> None:
 
 def preparse_loco_config(argv) -> LoCoConfig:
     """Read only the ``--loco-*`` flags (and the FSDP switches) from ``argv`` before Megatron's
-    slow start-up, so that bad values and FSDP fail within a second.
+    slow start-up, so that bad values and FSDP fail within a second. With Megatron-LM's
+    ``--yaml-cfg FILE`` the file's LoCo settings count too (its ``loco:`` section and
+    ``loco_*`` keys, below the command line's flags, as
+    :func:`loco_megatron.cli.flags.config_from_args` reads them after Megatron's ``load_yaml``).
 
     Raises:
-        LoCoConfigError: naming the flag.
+        LoCoConfigError: naming the flag (or the ``--yaml-cfg`` file and key).
     """
     parser = add_loco_args(RaisingParser(add_help=False, allow_abbrev=False))
     for attr, flag in _FSDP_FLAGS:
         parser.add_argument(flag, dest=attr, action="store_true")
+    parser.add_argument("--yaml-cfg", dest="yaml_cfg", default=None)
     known, _ = parser.parse_known_args(argv)
-    config = config_from_args(known)
+    if known.yaml_cfg is not None:
+        data = load_config(known.yaml_cfg, "--yaml-cfg")
+        config = config_from_args(SimpleNamespace(**{str(k): v for k, v in data.items()},
+                                                  yaml_cfg=known.yaml_cfg), argv)
+    else:
+        config = config_from_args(known)
     _check_fsdp(known, config)
     return config
 

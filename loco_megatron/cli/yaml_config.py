@@ -63,13 +63,17 @@ def loco_section_to_fields(section: Any, source: str) -> Dict[str, Any]:
         raise LoCoConfigError(f"{source}: 'loco' must be a mapping of --loco-* settings "
                               f"(e.g. 'loco: {{bits: 4}}'), got {section!r}.")
     keys = loco_keys()
-    out = {}
+    out, seen = {}, {}
     for key, value in section.items():
         field = keys.get(str(key))
         if field is None:
             names = ", ".join(sorted(k for k in keys if "_" not in k))
             raise LoCoConfigError(f"{source}: unknown key 'loco.{key}'; the loco section takes "
                                   f"the --loco-* flags without '--loco-': {names}.")
+        if field in seen:
+            raise LoCoConfigError(f"{source}: 'loco.{key}' and 'loco.{seen[field]}' are the same "
+                                  f"setting ({SETTINGS[field].flag}); keep one.")
+        seen[field] = key
         if value is None:
             continue
         flag, typ = SETTINGS[field].flag, value_type(field)
@@ -83,8 +87,9 @@ def loco_section_to_fields(section: Any, source: str) -> Dict[str, Any]:
     return out
 
 
-def load_config(path: str) -> Dict[str, Any]:
-    """Read a ``--config`` YAML file (PyYAML ``safe_load``) into a mapping.
+def load_config(path: str, flag: str = CONFIG_FLAG) -> Dict[str, Any]:
+    """Read a ``--config`` YAML file (PyYAML ``safe_load``) into a mapping (``flag``: the
+    option named in messages, e.g. Megatron's ``--yaml-cfg``).
 
     Raises:
         LoCoConfigError: the file cannot be read or parsed, or is not a mapping; names ``path``.
@@ -95,12 +100,12 @@ def load_config(path: str) -> Dict[str, Any]:
         with open(path, "r", encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except OSError as e:
-        raise LoCoConfigError(f"--config {path}: cannot read the file ({e.strerror or e}).") \
+        raise LoCoConfigError(f"{flag} {path}: cannot read the file ({e.strerror or e}).") \
             from None
     except yaml.YAMLError as e:
-        raise LoCoConfigError(f"--config {path}: not valid YAML: {e}") from None
+        raise LoCoConfigError(f"{flag} {path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
-        raise LoCoConfigError(f"--config {path}: expected a mapping of Megatron-LM flags "
+        raise LoCoConfigError(f"{flag} {path}: expected a mapping of Megatron-LM flags "
                               f"('num-layers: 32', ...), got {type(data).__name__}.")
     return data
 

@@ -13,7 +13,7 @@ write an empty document with no tokens and no EOD.
 
 Encoding uses ``tokenizers``' batch encoder (Rust, multi-threaded; ``TOKENIZERS_PARALLELISM``
 and ``RAYON_NUM_THREADS`` control it). Ids equal what Megatron's ``HuggingFaceTokenizer``
-``tokenize()`` returns for the same directory (checked in tests/data).
+``tokenize()`` returns for the same directory (checked in tests/unit/data).
 """
 
 from __future__ import annotations

@@ -196,7 +196,8 @@ def activate() -> None:
     import torch.cuda.random as cuda_random
     import torch.utils.data as tud
 
-    _state["patches"] = PatchSet(PATCH_SET)
+    # not strict: torch may rebind some of these names itself; deactivate always restores
+    _state["patches"] = PatchSet(PATCH_SET, strict=False)
     try:
         cuda = torch.cuda
         for name, value in {

@@ -321,15 +321,17 @@ def uninstall() -> None:
     """Restore megatron-core's original methods and drop the LoCo state (no-op if not installed).
 
     Models wrapped while LoCo was installed keep their bucket ids but reduce at full precision.
+
+    Raises:
+        PatchError: a method LoCo wrapped was replaced again since (by a newer patch set or a
+            mock; :meth:`loco_megatron.patching.PatchSet.restore`); LoCo stays installed.
     """
     global _STATE
     if _STATE is None:
         return
-    state, _STATE = _STATE, None
-    try:
-        state.patches.restore()
-    finally:
-        ckpt_hooks.forget_pending_loads()
+    _STATE.patches.restore()
+    _STATE = None
+    ckpt_hooks.forget_pending_loads()
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ with biases, linear biases, tied embeddings, vocabulary padded to a multiple of
 ``make-vocab-size-divisible-by * TP``.
 
 Parameter order (megatron-core's local layer spec, checked against its real ``GPTModel`` in
-tests/test_planner.py): word (+ position) embeddings; per layer input norm, ``linear_proj``,
+tests/unit/test_planner.py): word (+ position) embeddings; per layer input norm, ``linear_proj``,
 ``linear_qkv``, pre-MLP norm, ``linear_fc1``, ``linear_fc2`` (MoE: router, then each local
 expert's fc1/fc2); final norm; output layer. The Transformer Engine spec fuses each norm into the
 next linear layer: the same elements, a slightly different order (bucket cuts can move by one

@@ -2,7 +2,7 @@
 emulated-link benchmark (BENCHMARKS.md section 3, ``benchmarks/results/report.json``).
 
 ``python -m loco_megatron.planner.validate benchmarks/results/report.json`` prints the markdown
-table of BENCHMARKS.md's "Planner validation" subsection (tests/test_planner.py checks that the
+table of BENCHMARKS.md's "Planner validation" subsection (tests/unit/test_planner.py checks that the
 committed table equals this output and that every error is below :data:`ERROR_BOUND`).
 
 The planner is fed the benchmark's own setup, from report.json where it is recorded:
@@ -118,7 +118,7 @@ def markdown(rows: List[Dict]) -> str:
     lines += ["", f"Largest |error| where the link is the bottleneck (busy >= "
               f"{100 * MIN_LINK_BUSY:.0f}% of stock's communication time): "
               f"{max(inside):.1f}% over {len(inside)} cases (bound checked by "
-              f"tests/test_planner.py: {ERROR_BOUND:.0f}%)."
+              f"tests/unit/test_planner.py: {ERROR_BOUND:.0f}%)."
               + (f" Not link-bound, outside the model's domain: {', '.join(outside)}."
                  if outside else "")]
     return "\n".join(lines)

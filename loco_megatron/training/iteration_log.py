@@ -159,7 +159,7 @@ def uninstall() -> None:
     if _INSTALLED is None:
         return
     patches, state = _INSTALLED
-    patches.restore()
+    patches.restore()  # PatchError when replaced again since: still installed
     state.metrics = state.timers = None
     if state.compensator is not None:
         state.compensator.metrics = None

@@ -113,7 +113,7 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
     applied = workarounds.apply_needed(emulated)
     if applied and not _SAID:  # once per process
         _SAID.append(True)
-        _print_rank_0(f"> LoCo: workarounds for megatron.training in this environment: "
+        _print_rank_0(f"> loco-megatron workarounds for megatron.training in this environment: "
                       f"{', '.join(applied)} (docs/compatibility.md)")
     return emulated
 

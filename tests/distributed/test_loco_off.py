@@ -68,7 +68,8 @@ def test_dp_size_1_is_stock_even_at_bits_4(tp, world, distributed_optimizer):
 def test_distributed_optimizer_with_loco_off_is_stock_plus_one_check(overlap):
     """Where LoCo could compress, ``install()`` with LoCo off (bits None or 16) adds only the
     start-up agreement check: one ``all_gather_object`` per DP group while DDP is built. (The
-    launch paths do not install at all without ``--loco-bits``: tests/test_startup.py.)"""
+    launch paths do not install at all without ``--loco-bits``:
+    tests/launch/test_megatron_lm_wrapper.py.)"""
     kwargs = {"overlap_grad_reduce": overlap}
     results = run_ranks(loco_off_worker, 2, 1, OFF, kwargs)
     for res in results:

@@ -130,3 +130,32 @@ def test_plain_ddp_refused_only_where_gradients_are_communicated(sizes, refused)
             check_megatron_args(args, LoCoConfig(bits=4))
     else:
         check_megatron_args(args, LoCoConfig(bits=4))
+
+
+def test_preparse_reads_the_loco_settings_of_a_megatron_yaml_cfg(tmp_path):
+    from loco_megatron.cli.preflight import preparse_loco_config
+
+    path = tmp_path / "megatron.yaml"
+    path.write_text("num_layers: 2\nloco_block_size: 64\nloco:\n  bits: 8\n")
+    assert preparse_loco_config(["--yaml-cfg", str(path)]) == LoCoConfig(bits=8, block_size=64)
+    assert preparse_loco_config(["--yaml-cfg", str(path), "--loco-bits", "4"]).bits == 4  # CLI wins
+    path.write_text("loco:\n  bits: 3\n")
+    with pytest.raises(LoCoConfigError, match=f"--yaml-cfg {path}.*--loco-bits 3"):
+        preparse_loco_config(["--yaml-cfg", str(path)])
+    with pytest.raises(LoCoConfigError, match="--yaml-cfg .*missing.yaml: cannot read"):
+        preparse_loco_config(["--yaml-cfg", str(tmp_path / "missing.yaml")])
+
+
+@pytest.mark.parametrize("rank,line", [("0", "error: boom"), ("", "error: boom"),
+                                       ("$SLURM_PROCID", "error: boom"),
+                                       ("1", "error (rank 1): boom")])
+def test_fail_prints_one_line_and_exits_2_whatever_rank_says(rank, line):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", "from loco_megatron.cli import console\n"
+         "console.OTHER_RANKS_WAIT_S = 0\nconsole.fail(ValueError('boom'))"],
+        env={**os.environ, "RANK": rank}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr

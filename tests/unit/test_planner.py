@@ -240,15 +240,15 @@ def test_validation_table_is_committed_and_within_bound():
 
 
 def _readme_commands():
-    """The ``python -m loco_megatron plan ...`` commands of README.md's planner subsection."""
-    text = (REPO / "README.md").read_text()
+    """The ``python -m loco_megatron plan ...`` commands of docs/planner.md's examples."""
+    text = (REPO / "docs" / "planner.md").read_text()
     section = text.split("### Will LoCo pay on my cluster?")[1].split("\n## ")[0]
     blocks = [b.split("```")[0] for b in section.split("```bash\n")[1:]]
     return section, [b.replace("\\\n", " ").split()[3:] for b in blocks]
 
 
 def test_readme_examples_are_real_runs(capsys):
-    """Every headline and table row quoted in README.md is what its command prints now (the
+    """Every headline and table row quoted in docs/planner.md is what its command prints now (the
     400 Gbit/s one-NIC variant is the first command with --inter-node-gbps 400)."""
     section, commands = _readme_commands()
     assert len(commands) == 3 and all(c[0] == "plan" for c in commands)
@@ -281,3 +281,23 @@ def test_headline_points_to_bf16_when_it_is_as_fast(capsys):
     head = capsys.readouterr().out.splitlines()[-1]
     assert f"stock with --grad-reduce-in-bf16 is predicted as fast or faster (ratio " \
            f"{ratios['stock bf16']:.3f}" in head
+
+
+def test_config_block_size_in_either_spelling(capsys, tmp_path):
+    """The planner reads the loco: section as training does: block-size and block_size give
+    the same prediction, and a block size training would refuse is refused here too."""
+    base = (REPO / "configs/tiny_cpu.yaml").read_text().split("\nloco:")[0]
+    outs = []
+    for key in ("block-size", "block_size"):
+        path = tmp_path / f"{key}.yaml"
+        path.write_text(base + f"\nloco:\n  bits: 4\n  {key}: 16\n")
+        assert main(["plan", "--config", str(path), "--nodes", "2", "--gpus-per-node", "1",
+                     "--json"]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0] == outs[1]
+    assert main(["plan", "--config", str(REPO / "configs/tiny_cpu.yaml"), "--nodes", "2",
+                 "--gpus-per-node", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) != outs[0]  # 16 is not the default 256
+    assert main(["plan", "--config", str(path), "--nodes", "2", "--gpus-per-node", "1",
+                 "--loco-block-size", "131072"]) == 2
+    assert "--loco-block-size 131072 must be an even integer" in capsys.readouterr().err

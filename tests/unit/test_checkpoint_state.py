@@ -1,0 +1,129 @@
+"""The one LoCo checkpoint state shape and resume policy, single process
+(loco_megatron/megatron/checkpoint/state.py: ``OptimizerLoCo.state_dict`` / ``load_state_dict``,
+which the torch and torch_dist hooks serialise): exact resume, the documented resets, clear
+errors on corrupted entries, and the Compensator's step-counter API. The multi-rank paths
+(DP-size changes through the summed form, both formats on disk) are in the distributed tests
+(test_checkpoint.py)."""
+
+import io
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loco_megatron.config import LoCoConfig
+from loco_megatron.megatron.checkpoint.state import OptimizerLoCo
+from loco_megatron.megatron.plugin import LoCoState
+
+BLOCK = 64
+DP = 2  # the view's DP size (nothing is sent, so no process group is needed for "exact")
+
+
+class _Group:
+    def rank(self):
+        return 0
+
+    def size(self):
+        return DP
+
+
+def _view(config, numels=(BLOCK * 4, BLOCK * 2)):
+    """An ``OptimizerLoCo`` over a stand-in DistributedOptimizer with one gradient buffer of
+    ``len(numels)`` buckets (one parameter each), registered as megatron's DDP would."""
+    state = LoCoState(config)
+    buckets = []
+    for b, numel in enumerate(numels):
+        buckets.append(SimpleNamespace(grad_data=torch.zeros(numel), bucket_id=b,
+                                       loco_key=(0, 0, b), loco_param_ranges={b: (0, numel)},
+                                       loco_generation=state.generation))
+    optimizer = SimpleNamespace(data_parallel_group=_Group(),
+                                buffers=[SimpleNamespace(params=[], buckets=buckets)])
+    return OptimizerLoCo(optimizer, state)
+
+
+def _train(view, steps):
+    """Compress every bucket for ``steps`` (seeded gradients); returns the payloads."""
+    comp, out = view.state.compensator, []
+    for step in steps:
+        g = torch.Generator().manual_seed(step)
+        for ref in view.buckets:
+            grad = torch.randn(ref.bucket.grad_data.numel(), generator=g)
+            out.append(comp.compress(ref.key, grad, ref.layout))
+    return out
+
+
+def _saved(view):
+    state = view.state_dict(forms=["exact"])
+    buf = io.BytesIO()
+    torch.save(state, buf)  # as plain as the torch format's file
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("error_dtype", ["int8", "fp32"])
+def test_resume_is_bit_identical(error_dtype):
+    cfg = LoCoConfig(bits=4, block_size=BLOCK, reset_interval=5, error_dtype=error_dtype)
+    straight = _view(cfg)
+    ref = _train(straight, range(8))
+    first = _view(cfg)
+    _train(first, range(4))
+    resumed = _view(cfg)
+    assert resumed.load_state_dict(_saved(first), "ckpt") == []
+    out = _train(resumed, range(4, 8))
+    for (p1, s1), (p2, s2) in zip(ref[8:], out):  # resets at step 5 happen in both runs
+        assert torch.equal(p1, p2) and torch.equal(s1, s2)
+    assert resumed.state.compensator.stats.steps == straight.state.compensator.stats.steps
+
+
+def test_changed_bits_or_block_resets_with_warning():
+    view = _view(LoCoConfig(bits=4, block_size=BLOCK))
+    _train(view, range(2))
+    other = _view(LoCoConfig(bits=8, block_size=BLOCK))
+    notes = other.load_state_dict(_saved(view), "ckpt")
+    assert len(notes) == 1 and "bits changed 4 -> 8" in notes[0] and "reset" in notes[0]
+    assert not other.state.compensator.errors
+    assert other.state.compensator.stats.steps == view.state.compensator.stats.steps
+
+
+def test_changed_bucket_resets_that_bucket_only():
+    view = _view(LoCoConfig(bits=4, block_size=BLOCK))
+    _train(view, range(2))
+    fresh = _view(LoCoConfig(bits=4, block_size=BLOCK), numels=(BLOCK * 3, BLOCK * 2))
+    notes = fresh.load_state_dict(_saved(view), "ckpt")
+    assert len(notes) == 1 and "gbuf_idx_0.bucket_idx_0" in notes[0]
+    assert "parameters differ" in notes[0] and "bucket_idx_1" not in notes[0]
+    errors = fresh.state.compensator.errors
+    assert (0, 0, 0) not in errors
+    assert torch.equal(errors[(0, 0, 1)].codes, view.state.compensator.errors[(0, 0, 1)].codes)
+
+
+@pytest.mark.parametrize("corrupt,message", [
+    (lambda e: e.pop("codes"), "expected fields"),
+    (lambda e: e.update(codes=e["codes"][:-1]), "codes: expected 256 elements"),
+    (lambda e: e.update(scales=e["scales"].double()), "scales: expected 4 elements of torch.float32"),
+])
+def test_corrupted_entry_is_a_clear_error(corrupt, message):
+    view = _view(LoCoConfig(bits=4, block_size=BLOCK))
+    _train(view, range(1))
+    state = _saved(view)
+    corrupt(state["exact"]["gbuf_idx_0.bucket_idx_0"])
+    with pytest.raises(ValueError, match=r"ckpt key loco\.dp_group_idx_0\.gbuf_idx_0\.bucket_idx_0"):
+        try:
+            _view(LoCoConfig(bits=4, block_size=BLOCK)).load_state_dict(state, "ckpt")
+        except ValueError as e:
+            assert message in str(e)
+            raise
+
+
+def test_step_counter_api():
+    view = _view(LoCoConfig(bits=4, block_size=BLOCK, reset_interval=3))
+    comp = view.state.compensator
+    key = view.buckets[0].key
+    assert comp.step_of(key) == 0
+    comp.count_step(key)  # a warm-up step at full precision counts
+    _train(view, range(1))
+    assert comp.step_of(key) == 2 and comp.stats.resets == 0
+    comp.set_step(key, 3)  # a restored counter: the next compress is a reset step
+    _train(view, range(1))
+    assert comp.step_of(key) == 4 and comp.stats.resets == 1
+    assert view.meta()["buckets"]["gbuf_idx_0.bucket_idx_0"]["step"] == 4
