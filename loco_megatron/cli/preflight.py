@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from ..config import LoCoConfig, LoCoConfigError
 from .console import cli_exit_code
 from .flags import RaisingParser, add_loco_args, config_from_args
-from .yaml_config import load_config
+from .yaml_config import expand_config_argv, load_config
 
 
 def check_megatron_args(args, config: LoCoConfig) -> None:
@@ -103,11 +103,13 @@ def preparse_loco_config(argv) -> LoCoConfig:
 def main(argv=None) -> int:
     """``python -m loco_megatron.cli.preflight ARGS``: check the ``--loco-*`` flags (and
     FSDP switches) and the ``--data-path`` files (:mod:`loco_megatron.data.check`) of ``ARGS``
-    in about a second, before a launcher prepares data or starts ranks; prints ``error: ...``
-    and returns 2 on a bad value, else returns 0 silently."""
+    in about a second, before a launcher prepares data or starts ranks (``--config FILE``
+    expanded first, as the launch paths do); prints ``error: ...`` and returns 2 on a bad
+    value, else returns 0 silently."""
     from ..data.check import DataPathError, check_data_args
 
     def check(args):
+        args = expand_config_argv(args)
         preparse_loco_config(args)
         check_data_args(args)  # --data-path files: missing, truncated or corrupted .idx/.bin
 

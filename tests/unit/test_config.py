@@ -159,3 +159,14 @@ def test_fail_prints_one_line_and_exits_2_whatever_rank_says(rank, line):
          "console.OTHER_RANKS_WAIT_S = 0\nconsole.fail(ValueError('boom'))"],
         env={**os.environ, "RANK": rank}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == line, proc.stderr
+
+
+def test_preflight_command_expands_config_files(tmp_path, capsys):
+    from loco_megatron.cli.preflight import main
+
+    bad, good = tmp_path / "bad.yaml", tmp_path / "good.yaml"
+    bad.write_text("loco:\n  bits: 3\n")
+    good.write_text("loco:\n  bits: 4\n")
+    assert main(["--config", str(bad)]) == 2
+    assert f"--config {bad}, loco section: --loco-bits 3" in capsys.readouterr().err
+    assert main(["--config", str(good), "--loco-block-size", "64"]) == 0
