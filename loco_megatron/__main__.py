@@ -1,4 +1,5 @@
-"""``python -m loco_megatron ...``: the package's command line (:mod:`loco_megatron.cli.command`)."""
+"""``python -m loco_megatron ...``: the package's command line
+(:mod:`loco_megatron.cli.command`)."""
 
 import sys
 

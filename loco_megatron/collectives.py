@@ -1,6 +1,7 @@
 """Compensated low-bit reduce-scatter: all-to-all of codes and scales, then a local fp32 sum.
 
-docs/architecture.md (data flow of one bucket). NCCL and gloo cannot sum 4-bit codes, so ``reduce_scatter_tensor`` becomes:
+docs/architecture.md (data flow of one bucket). NCCL and gloo cannot sum 4-bit codes, so
+``reduce_scatter_tensor`` becomes:
 
 1. quantize the compensated bucket in its padded :class:`~loco_megatron.layout.BucketLayout`
    (blocks never straddle DP shards or parameters; each shard is a whole number of blocks);

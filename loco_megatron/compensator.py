@@ -1,7 +1,7 @@
 """LoCo error compensation: per-bucket error buffers with moving average, resets and int8 storage.
 
-Implements steps 1-4 of LoCo (arXiv 2407.04480, Alg. 1; the steps and reference arithmetic: loco_megatron/algorithm.py) for one data-parallel
-rank::
+Implements LoCo's error feedback (arXiv 2407.04480, Alg. 1; the numbered steps and their
+reference arithmetic: loco_megatron/algorithm.py) for one data-parallel rank::
 
     h_t = g_t + e_{t-1}                                   (compensate)
     c_t = Q_b(h_t)                                        (compress; what is sent)
@@ -28,7 +28,6 @@ __all__ = ["Compensator", "CompensatorStats", "ErrorBuffer", "STORAGE_FIELDS", "
            "validate_entry"]
 
 
-
 @lru_cache(maxsize=256)
 def _wire_order_layout(numel: int, block_size: int) -> BucketLayout:
     """The identity layout of ``numel`` elements already in wire order (whole blocks)."""
@@ -41,8 +40,8 @@ class CompensatorStats:
 
     ``steps`` is read by reports and tests; it is written only through the
     :class:`Compensator` step-counter API (:meth:`~Compensator.step_of`,
-    :meth:`~Compensator.count_step`, :meth:`~Compensator.set_step`, and :meth:`~Compensator.compress`
-    advancing its bucket's counter)."""
+    :meth:`~Compensator.count_step`, :meth:`~Compensator.set_step`, and
+    :meth:`~Compensator.compress` advancing its bucket's counter)."""
 
     calls: int = 0
     resets: int = 0

@@ -145,7 +145,7 @@ class LoCoConfig:
     buffer. Only used with ``--loco-hierarchical``."""
 
     def __post_init__(self):
-        for name, types in _accepted_types().items():  # wrong types (Python API, JSON) name the flag
+        for name, types in _ACCEPTED_TYPES.items():  # wrong types (Python API, JSON): flag named
             value = getattr(self, name)
             if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                 wanted = " or ".join("None" if t is type(None) else t.__name__ for t in types)
@@ -188,7 +188,8 @@ class LoCoConfig:
                 f"got {self.hierarchical!r}.")
         if self.intra_node_bits not in INTRA_NODE_BITS:
             raise LoCoConfigError(
-                f"{flag('intra_node_bits')} {self.intra_node_bits} is not one of {INTRA_NODE_BITS}: "
+                f"{flag('intra_node_bits')} {self.intra_node_bits} is not one of "
+                f"{INTRA_NODE_BITS}: "
                 f"8 compresses the intra-node stage, 16 keeps it at the gradient buffer's "
                 f"precision.")
         if self.intra_node_bits != 16 and not self.hierarchical:
@@ -212,6 +213,8 @@ class LoCoConfig:
 
 #: field name -> :class:`Setting`, in field order: the settings registry
 SETTINGS: Dict[str, Setting] = {f.name: f.metadata["loco"] for f in fields(LoCoConfig)}
+#: field name -> its resolved annotation (read once: every LoCoConfig checks its types)
+_HINTS = typing.get_type_hints(LoCoConfig)
 
 
 def flag(name: str) -> str:
@@ -222,7 +225,7 @@ def flag(name: str) -> str:
 def value_type(name: str) -> type:
     """The Python type of field ``name``'s values, from its annotation (``Optional[int]`` ->
     ``int``): the argparse ``type`` and the YAML conversion."""
-    hint = typing.get_type_hints(LoCoConfig)[name]
+    hint = _HINTS[name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
@@ -232,12 +235,16 @@ def _accepted_types() -> Dict[str, Tuple[type, ...]]:
     float is expected); bool fields have their own check (a switch)."""
     out = {}
     for name in SETTINGS:
-        hint, typ = typing.get_type_hints(LoCoConfig)[name], value_type(name)
+        hint, typ = _HINTS[name], value_type(name)
         if typ is bool:
             continue
         types = (typ, int) if typ is float else (typ,)
         out[name] = types + ((type(None),) if type(None) in typing.get_args(hint) else ())
     return out
+
+
+#: what ``LoCoConfig.__post_init__`` checks each field's type against
+_ACCEPTED_TYPES = _accepted_types()
 
 
 def shared_settings() -> Tuple[str, ...]:

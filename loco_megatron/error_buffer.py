@@ -1,7 +1,7 @@
 """One bucket's LoCo error buffer and the checks of its saved form.
 
-The error ``e`` of LoCo's moving average (arXiv 2407.04480, Alg. 1, step 3 in loco_megatron/algorithm.py) is stored
-in 8 bits (int8 codes, symmetric, one fp32 scale per block: ~1 byte per element) or exactly in
+The error ``e`` of LoCo's moving average (arXiv 2407.04480, Alg. 1; step 3 in
+loco_megatron/algorithm.py) is stored in 8 bits (int8 codes, symmetric, one fp32 scale per block: ~1 byte per element) or exactly in
 fp32. :class:`~loco_megatron.compensator.Compensator` holds one per bucket (and per stage of the
 hierarchical mode); the checkpoint code validates and decodes saved entries with
 :func:`validate_entry` and :func:`decode_entry`.

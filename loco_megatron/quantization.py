@@ -1,7 +1,7 @@
 """Blockwise symmetric absmax quantizer ``Q_b`` / ``deQ`` and 4-bit packing (torch reference).
 
-LoCo's ``Q_b`` (loco_megatron/algorithm.py, step 2): ``scale = absmax(block) / (2^(b-1) - 1)`` (at most :func:`max_scale`),
-``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest (ties to even, as
+LoCo's ``Q_b`` (loco_megatron/algorithm.py, step 2): ``scale = absmax(block) / (2^(b-1) - 1)``
+(at most :func:`max_scale`), ``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest (ties to even, as
 ``torch.round``). An all-zero block gets scale 0 and codes 0, never NaN. Scales are fp32 (wire
 overhead ``32 / block_size`` bits per element). 4-bit codes are stored as two's-complement
 nibbles, two per byte (element ``2i`` in the low nibble, ``2i+1`` in the high nibble).

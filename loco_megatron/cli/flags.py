@@ -8,7 +8,7 @@ the argparse namespace and the flags may then be absent.
 
 import argparse
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
 from ..config import SETTINGS, LoCoConfig, LoCoConfigError, value_type
 from .yaml_config import loco_section_to_fields
@@ -37,11 +37,10 @@ def add_loco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="LoCo low-bit gradient communication")
     for f in fields(LoCoConfig):
         flag, typ, extra = FLAGS[f.name]
-        default = None if f.default is MISSING else f.default
         if "action" not in extra:
             extra = {"type": typ, **extra}
-        group.add_argument(flag, default=default, dest=f"loco_{f.name}",
-                           help=f"{SETTINGS[f.name].help} (default: {default})", **extra)
+        group.add_argument(flag, default=f.default, dest=f"loco_{f.name}",
+                           help=f"{SETTINGS[f.name].help} (default: {f.default})", **extra)
     return parser
 
 

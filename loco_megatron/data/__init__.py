@@ -1,4 +1,4 @@
-"""Default corpus, local tokenizer training and JSONL -> Megatron indexed dataset (docs/architecture.md).
+"""Default corpus, local tokenizer training and JSONL -> Megatron indexed dataset (docs/data.md).
 
 Modules: ``corpus`` (document readers), ``sources`` (corpus selection), ``tokenizer``
 (byte-level BPE training/saving), ``indexed`` (``.bin``/``.idx`` writing), ``cache``

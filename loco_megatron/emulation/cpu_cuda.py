@@ -1,7 +1,7 @@
 """CPU stand-in for CUDA so that megatron-core's CUDA-assuming code runs on CPU tensors with gloo.
 
-docs/architecture.md (CPU emulation). megatron-core writes ``device='cuda'``, ``torch.cuda.current_device()``,
-``.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'``, CUDA RNG and streams in a few dozen
+docs/architecture.md (CPU emulation of CUDA). megatron-core writes ``device='cuda'``,
+``torch.cuda.current_device()``, ``.cuda()``, ``param.type() == 'torch.cuda.FloatTensor'``, CUDA RNG and streams in a few dozen
 places. :func:`activate` makes those work on CPU:
 
 * a ``TorchFunctionMode`` maps cuda devices to cpu in factory calls and ``.to()``, makes

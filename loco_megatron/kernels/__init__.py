@@ -1,4 +1,6 @@
-"""Fused compression kernels, one contract for three implementations (docs/kernels.md; the arithmetic: loco_megatron/algorithm.py).
+"""Fused compression kernels, one contract for three implementations.
+
+docs/kernels.md; the arithmetic they implement: loco_megatron/algorithm.py.
 
 The hot path of LoCo has two halves, each a single pass over the data:
 
@@ -12,7 +14,8 @@ The hot path of LoCo has two halves, each a single pass over the data:
 
 Implementations (``--loco-kernels``, :attr:`~loco_megatron.config.LoCoConfig.kernels`):
 
-``torch``   the reference: plain torch ops (:mod:`loco_megatron.algorithm`), any device, fp64 for exact tests.
+``torch``   the reference: plain torch ops (:mod:`loco_megatron.algorithm`), any device, fp64
+            for exact tests.
 ``cpu``     a C loop over blocks compiled on first use (:mod:`.cpu`), CPU tensors.
 ``triton``  Triton kernels (:mod:`.triton_kernels`), CUDA tensors (CPU under
             ``TRITON_INTERPRET=1``, for tests).

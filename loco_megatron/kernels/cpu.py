@@ -7,7 +7,8 @@ file.
 No torch headers are involved (the build takes well under a second). ``$CC`` may carry arguments
 (``CC="ccache gcc"``). Without a working compiler, or when the cached library does not load (a
 truncated file, a ``noexec`` cache directory), ``auto`` falls back to the torch reference
-(:mod:`loco_megatron.algorithm`) and says so once in the log; a failed build leaves no temporary file.
+(:mod:`loco_megatron.algorithm`) and says so once in the log; a failed build leaves no
+temporary file.
 
 ctypes releases the GIL during the call, so the compressed all-to-alls of other buckets keep
 running. fp32 and bf16 gradients are read directly; fp16 ones are converted to fp32 first (one

@@ -2,8 +2,8 @@
 
 One program handles ``ROWS`` quantization blocks as a ``[ROWS, B/2]`` tile of even and odd
 elements (the two nibbles of a packed byte). Bit-exact with the torch reference
-(:mod:`loco_megatron.algorithm`): IEEE division (``div_rn``; Triton's default fp32 ``/`` is approximate on
-GPUs), no FMA contraction (``enable_fp_fusion=False``), round-half-to-even by the 1.5 * 2^23
+(:mod:`loco_megatron.algorithm`): IEEE division (``div_rn``; Triton's default fp32 ``/`` is
+approximate on GPUs), no FMA contraction (``enable_fp_fusion=False``), round-half-to-even by the 1.5 * 2^23
 trick, and NaN handled explicitly (``max`` may drop NaN). A non-finite block keeps its previous
 error (stores of the old codes/scale or values; zero on a reset step) and is counted in a device
 counter, without a host sync.

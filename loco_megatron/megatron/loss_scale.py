@@ -105,7 +105,8 @@ def _wrap_update(orig, state):
 
 def patches(state):
     """``[(owner, attribute, wrapper factory)]`` that :func:`loco_megatron.install` applies when
-    LoCo is active; the wrappers act on ``state`` (the install's ``LoCoState``). ``megatron.core.optimizer.grad_scaler`` has the same classes in 0.13-0.19."""
+    LoCo is active; the wrappers act on ``state`` (the install's ``LoCoState``).
+    ``megatron.core.optimizer.grad_scaler`` has the same classes in 0.13-0.19."""
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 
     wrap = functools.partial(_wrap_update, state=state)

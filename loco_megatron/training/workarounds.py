@@ -40,7 +40,7 @@ def _replace(owner: Any, attribute: str, value: Any, reason: str) -> bool:
     global _PATCHES
     if _PATCHES is None or not _PATCHES.is_applied:
         _PATCHES = PatchSet(PATCH_SET)
-    if (owner, attribute) in [(o, a) for o, a in _PATCHES.targets()]:
+    if (owner, attribute) in _PATCHES.targets():
         return False
     _PATCHES.replace(owner, attribute, value)
     _REASONS[(owner, attribute)] = reason
@@ -49,7 +49,8 @@ def _replace(owner: Any, attribute: str, value: Any, reason: str) -> bool:
 
 def applied() -> List[str]:
     """``attribute (why)`` of every workaround in force, oldest first."""
-    return [f"{a} ({_REASONS.get((o, a), '')})" for o, a in (_PATCHES.targets() if _PATCHES else [])]
+    targets = _PATCHES.targets() if _PATCHES is not None else []
+    return [f"{attribute} ({_REASONS[owner, attribute]})" for owner, attribute in targets]
 
 
 def remove() -> None:

@@ -69,6 +69,7 @@ def sharded_entry(view: OptimizerLoCo, is_loading: bool) -> Dict[str, object]:
                                                  ref.sum_range[0], replica_id=view.instance)
     return entry
 
+
 def _grid(view: OptimizerLoCo) -> List[List[int]]:
     """``[[rank, world], ...]`` of the exact form's leading axes: DP, or instance and DP."""
     dp = [view.dp_rank, view.dp_size]

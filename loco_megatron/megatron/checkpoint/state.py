@@ -1,7 +1,7 @@
 """The LoCo state one ``DistributedOptimizer`` saves and restores, and the resume policy.
 
-docs/architecture.md (checkpoints). Each DistributedOptimizer owns gradient buffers (``optimizer.buffers``) whose
-buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own bucket names
+docs/architecture.md (checkpoints). Each DistributedOptimizer owns gradient buffers
+(``optimizer.buffers``) whose buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own bucket names
 (``gbuf_idx_{g}.bucket_idx_{b}``, as in ``DistributedOptimizer.sharded_param_state_dp_reshardable``):
 
 * ``meta``: format version, fingerprint (bits, block size, error storage, beta, reset interval),
@@ -16,8 +16,8 @@ buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own
   the error buffers with one warning;
 * ``sum``: the DP-sum of all ranks' errors, reduce-scattered, in the bucket's
   ``dp_reshardable`` index space ``[0, numel_unpadded)`` (rank ``r`` keeps
-  ``[r * shard, (r + 1) * shard)``). Error feedback only guarantees the summed error (loco_megatron/algorithm.py),
-  so after a DP-size change each rank puts its shard of the sum in its own shard range of the
+  ``[r * shard, (r + 1) * shard)``). Error feedback only guarantees the summed error
+  (loco_megatron/algorithm.py), so after a DP-size change each rank puts its shard of the sum in its own shard range of the
   new layout (zero elsewhere): the DP-sum is preserved up to one fp32 rounding (int8 storage
   adds its usual half step).
 
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ...config import CONVERT, RESET, fingerprint, fingerprint_fields
-from ...hierarchical import INTER, INTRA
+from ...hierarchical import INTER, INTRA, group_topology
 from ...layout import BucketLayout
 from .. import compat
 from . import agree
@@ -106,8 +106,6 @@ class OptimizerLoCo:
         if not state.active:
             return
         if state.config.hierarchical and self.dp_size > 1:
-            from ...hierarchical import group_topology
-
             topo = group_topology(self.group)
             self.hierarchy = {"nodes": topo.num_nodes, "per_node": topo.per_node,
                               "intra_node_bits": state.config.intra_node_bits}
@@ -259,7 +257,8 @@ def validate_meta(meta, where: str) -> None:
 
 def apply(view: OptimizerLoCo, meta: Optional[dict], exact: Optional[dict],
           sums: Optional[dict], source: str, data_file: Optional[str] = None) -> List[str]:
-    """Restore ``view``'s error buffers from a checkpoint by the resume policy (docs/architecture.md).
+    """Restore ``view``'s error buffers from a checkpoint by the resume policy
+    (docs/checkpointing.md).
 
     Args:
         view: the optimizer being loaded.
