@@ -25,6 +25,23 @@ def expected_bytes_per_step(config: LoCoConfig,
     return loco, stock
 
 
+def param_gather_bytes_per_step(param_bits: int,
+                                buckets: List[Tuple[BucketLayout, int]]) -> Tuple[int, int]:
+    """Exact bytes one rank sends per optimizer step in the parameter all-gather with weight
+    differences (``--loco-param-bits``; loco_megatron/weight_difference.py): ``(LoCo, stock
+    all-gather)``, i.e. ``(world - 1) * (bits * P + 32 * P / block) / 8`` against
+    ``(world - 1) * shard * element size`` per bucket (``P``: the padded shard).
+
+    Args:
+        buckets: ``(layout, parameter element size in bytes)`` per bucket.
+    """
+    loco = sum((lay.world - 1) * (lay.padded_shard * param_bits // 8
+                                  + 4 * (lay.padded_shard // lay.block_size))
+               for lay, _ in buckets)
+    stock = sum((lay.world - 1) * lay.shard * elem for lay, elem in buckets)
+    return loco, stock
+
+
 def error_state_bytes(config: LoCoConfig, layouts: List[BucketLayout]) -> Tuple[int, int]:
     """Bytes of one rank's LoCo error state: ``(in memory, per checkpoint on disk)``.
 

@@ -22,8 +22,8 @@ from .layout import BucketLayout
 
 #: settings that must be equal on every rank of a group, from the settings registry
 #: (``Setting.shared``; ``kernels`` is local: every implementation gives the same bits); ``bits``
-#: is described first, on its own
-SHARED_SETTINGS = tuple(name for name in shared_settings() if name != "bits")
+#: and ``param_bits`` are described first, on their own (also with LoCo off)
+SHARED_SETTINGS = tuple(name for name in shared_settings() if name not in ("bits", "param_bits"))
 
 
 def describe(config: LoCoConfig, key: Hashable, layout: Optional[BucketLayout],
@@ -35,6 +35,7 @@ def describe(config: LoCoConfig, key: Hashable, layout: Optional[BucketLayout],
     sizes come from: ranks that disagree would hang in the first all-to-all).
     LoCo off (``layout`` None): bits, numel and dtype only."""
     out = {"bits": config.bits if config.enabled else "off (full precision)",
+           "param_bits": config.param_bits if config.params_enabled else "off (full precision)",
            "numel": grad_data.numel(), "dtype": str(grad_data.dtype).replace("torch.", "")}
     if layout is None:
         return out

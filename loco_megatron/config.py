@@ -144,6 +144,17 @@ class LoCoConfig:
     fp32 or bf16) and sums in fp32; 8 sends compensated 8-bit codes with their own error
     buffer. Only used with ``--loco-hierarchical``."""
 
+    param_bits: Optional[int] = _setting(
+        None, "--loco-param-bits",
+        "bits per weight difference in the parameter all-gather: 4 or 8; unset: stock all-gather",
+        shared=True, checkpoint=RECORD, metavar="{4,8}")
+    """Bits per element of the distributed optimizer's parameter all-gather
+    (``--loco-param-bits``; docs/param_gather.md): 4 or 8 send each DP shard's weight
+    difference ``Q(new - held)`` in blocks of ``block_size`` and every replica adds its
+    dequantized value to the parameters it holds (replicas stay bit-identical, the fp32 main
+    parameters exact); None, 16 or 32 leave megatron-core's all-gather untouched. Independent of
+    ``bits``."""
+
     def __post_init__(self):
         for name, types in _ACCEPTED_TYPES.items():  # wrong types (Python API, JSON): flag named
             value = getattr(self, name)
@@ -196,6 +207,11 @@ class LoCoConfig:
             raise LoCoConfigError(
                 f"{flag('intra_node_bits')} {self.intra_node_bits} only applies to the two-stage "
                 f"reduce-scatter: add {flag('hierarchical')}, or drop {flag('intra_node_bits')}.")
+        if self.param_bits is not None and self.param_bits not in (COMPRESSED_BITS
+                                                                   + FULL_PRECISION_BITS):
+            raise LoCoConfigError(
+                f"{flag('param_bits')} {self.param_bits} is not supported: use 4 or 8 to send "
+                f"weight differences, or leave it unset (16/32) for megatron-core's all-gather.")
         if self.error_dtype not in ERROR_DTYPES:
             raise LoCoConfigError(
                 f"{flag('error_dtype')} {self.error_dtype!r} is not one of {ERROR_DTYPES}."
@@ -205,6 +221,11 @@ class LoCoConfig:
     def enabled(self) -> bool:
         """True when gradients are compressed (bits 4 or 8)."""
         return self.bits in COMPRESSED_BITS
+
+    @property
+    def params_enabled(self) -> bool:
+        """True when the parameter all-gather sends weight differences (param_bits 4 or 8)."""
+        return self.param_bits in COMPRESSED_BITS
 
     def to_dict(self) -> Dict[str, Any]:
         """Field name -> value, for logs and checkpoint fingerprints."""

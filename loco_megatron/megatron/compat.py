@@ -157,6 +157,12 @@ def reduce_scatter_group(bucket_group):
             int(bucket_group.intra_distributed_optimizer_instance_size))
 
 
+def param_gather_rank(bucket_group) -> int:
+    """This rank's index in the group a bucket group all-gathers its parameters over
+    (``intra_distributed_optimizer_instance_rank``, 0.13-0.19; the shard it owns)."""
+    return int(bucket_group.intra_distributed_optimizer_instance_rank)
+
+
 def gradient_group_size(bucket_group) -> int:
     """Ranks a bucket group's gradient reduction spans (reduce-scatter with the distributed
     optimizer, all-reduce without; 1: nothing is sent)."""

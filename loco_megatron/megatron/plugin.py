@@ -32,9 +32,9 @@ from ..layout import BucketLayout
 from ..metrics import StepMetrics
 from ..nonfinite import NonfiniteMonitor
 from ..patching import PatchSet
-from . import compat, loss_scale
+from . import compat, loss_scale, param_sync
 from .checkpoint import hooks as ckpt_hooks
-from .report import log_chunk_layout, log_hierarchical_topology
+from .report import log_chunk_layout, log_hierarchical_topology, log_param_gather
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class LoCoState:
         self.stock_reduce_scatter = None
         #: what this install replaced in megatron-core (:class:`~loco_megatron.patching.PatchSet`)
         self.patches: Optional[PatchSet] = None
+        #: the weight-difference parameter all-gather (``--loco-param-bits``), or None
+        self.param_sync = param_sync.ParamSync(config) if config.params_enabled else None
 
     def enable_metrics(self) -> StepMetrics:
         """Start collecting :class:`~loco_megatron.metrics.StepMetrics` (LoCo active only);
@@ -101,6 +103,11 @@ class LoCoState:
     def active(self) -> bool:
         """True when megatron-core's reduce-scatter is replaced (bits 4 or 8)."""
         return self.compensator is not None
+
+    @property
+    def param_active(self) -> bool:
+        """True when the parameter all-gather sends weight differences (param bits 4 or 8)."""
+        return self.param_sync is not None
 
 
 _STATE: Optional[LoCoState] = None
@@ -144,12 +151,15 @@ def _wrap_ddp_init(orig):
         state = _STATE
         if state is None:
             return
-        if not state.active:  # LoCo off: only check that no rank of a DP group has it on
-            _check_agreement(state, self)
+        if not (state.active or state.param_active):  # LoCo off: only check that no rank of
+            _check_agreement(state, self)  # a DP group has it on
             return
         groups = compat.ddp_bucket_groups(self)
-        check_ddp_config(self.ddp_config,
-                         max((compat.gradient_group_size(g) for g in groups), default=1))
+        dp_size = max((compat.gradient_group_size(g) for g in groups), default=1)
+        if state.active:
+            check_ddp_config(self.ddp_config, dp_size)
+        if state.param_active:
+            param_sync.check_ddp_config(self.ddp_config, dp_size)
         chunk = state.num_chunks
         state.num_chunks += 1
         for buf_idx, buffer in enumerate(compat.ddp_buffers(self)):
@@ -159,6 +169,14 @@ def _wrap_ddp_init(orig):
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
         compressed = _check_agreement(state, self)
+        if state.param_active:
+            for group, bucket, layout in compressed:
+                state.param_sync.register(bucket, group.intra_distributed_optimizer_instance_group,
+                                          layout.world, compat.param_gather_rank(group), layout)
+            log_param_gather(chunk, state.config, [
+                (layout, bucket.param_data.element_size()) for _, bucket, layout in compressed])
+        if not state.active:
+            return
         log_chunk_layout(chunk, state.config, [
             (layout, bucket.grad_data.element_size()) for _, bucket, layout in compressed])
         if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
@@ -176,7 +194,7 @@ def _check_agreement(state: LoCoState, ddp):
     # DDP's all-reduce is never compressed, so with LoCo off nothing is checked there
     groups = [(group, rs) for group in compat.ddp_bucket_groups(ddp)
               for rs in [compat.reduce_scatter_group(group)] if rs is not None and rs[1] > 1]
-    if not state.active:
+    if not (state.active or state.param_active):
         check_layouts_agree(state.config, [(pg, None, None, bucket.grad_data)
                                            for group, (pg, _) in groups for bucket in group.buckets])
         return []
@@ -306,6 +324,8 @@ def install(config: LoCoConfig) -> LoCoState:
     if state.active:
         targets += [(compat.bucket_group_class(), "start_grad_sync", _wrap_start_grad_sync)]
         targets += loss_scale.patches(state)  # fp16: overflow clears, scale changes rescale errors
+    if state.param_active:  # the parameter all-gather as weight differences
+        targets += param_sync.patches(state)
     state.patches = PatchSet(PATCH_SET)
     try:
         for owner, name, wrap in targets:

@@ -9,7 +9,8 @@ import torch
 from ..config import LoCoConfig
 from ..layout import BucketLayout
 from ..accounting import (error_state_bytes, expected_bytes_per_step,
-                          hierarchical_bytes_per_step, stage_error_elements)
+                          hierarchical_bytes_per_step, param_gather_bytes_per_step,
+                          stage_error_elements)
 
 logger = logging.getLogger("loco_megatron")
 
@@ -52,6 +53,25 @@ def log_chunk_layout(chunk: int, config: LoCoConfig,
             f"and shard boundary, so --loco-block-size {config.block_size} is too large for "
             f"this model; use 256 (the default) or smaller.")
 
+
+
+def log_param_gather(chunk: int, config: LoCoConfig,
+                     buckets: List[Tuple[BucketLayout, int]]) -> None:
+    """One line per model chunk for ``--loco-param-bits``: the parameter all-gather's bytes
+    per step against stock's, and the memory it takes."""
+    if not buckets:
+        print_rank_0(f"> LoCo: model chunk {chunk}: data-parallel size 1, no parameter is "
+                     f"all-gathered; stock path")
+        return
+    loco, stock = param_gather_bytes_per_step(config.param_bits, buckets)
+    shard = max(lay.shard for lay, _ in buckets)
+    print_rank_0(
+        f"> LoCo: model chunk {chunk}: parameter all-gather as {config.param_bits}-bit weight "
+        f"differences, {len(buckets)} buckets: {loco} bytes/step per rank on the wire vs "
+        f"{stock} stock ({loco / stock if stock else 0.0:.3f}x); exact (stock) on the first "
+        f"step and after a checkpoint load; memory: an fp32 copy of the rank's own shard of "
+        f"fp32 parameters only (bf16/fp16 ones use megatron's main copy), <= {4 * shard} "
+        f"bytes per bucket transient")
 
 
 def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
@@ -132,3 +152,7 @@ def log_loco_startup(state, args, emulated: bool) -> None:
     else:
         print_rank_0(f"> LoCo off (--loco-bits {cfg.bits}): stock megatron-core reduce-scatter; "
                       f"on {where}")
+    if state.param_active:
+        print_rank_0(f"> LoCo parameter all-gather: {cfg.param_bits}-bit weight differences "
+                     f"(--loco-param-bits), block {cfg.block_size}; per-chunk bytes logged when "
+                     f"the model is wrapped")

@@ -1,0 +1,309 @@
+"""The weight-difference parameter all-gather inside megatron-core (``--loco-param-bits``).
+
+The arithmetic: :mod:`loco_megatron.weight_difference`; the semantics and bound:
+docs/param_gather.md. Three megatron-core calls are wrapped (the same in 0.13-0.19;
+megatron/core/optimizer/distrib_optimizer.py and distributed/param_and_grad_buffer.py):
+
+``DistributedOptimizer.__init__``
+    fp32 model parameters are their own main parameters in megatron-core (the optimizer steps a
+    view of the bucket's ``param_data``). Here the replicas' ``held`` value and the exact main
+    value differ, so each such shard gets its own fp32 copy (one copy of the rank's own shard,
+    not of the bucket), swapped into the optimizer's parameter groups and ``shard_fp32_groups``
+    before any optimizer state exists; bf16/fp16 parameters already have fp32 main copies.
+``DistributedOptimizer._copy_main_params_to_model_params``
+    runs as stock (the main parameters are cast into the owner's shard); for every bucket with
+    weight differences on, the owner then encodes ``Q(main - held)`` from the fp32 main
+    parameters and writes ``held + deQ(...)`` into its own shard, keeping the codes for the
+    all-gather. A bucket whose ``held`` may differ between replicas (the first step, any
+    checkpoint load) first gets an exact all-gather of ``held`` itself (stock bytes, once).
+``_ParamAndGradBucketGroup.start_param_sync``
+    runs as stock, with the module global ``dist_all_gather_func`` pointing at a function that
+    all-gathers the pending codes instead (outside megatron's ``_coalescing_manager``, whose
+    ``wait()`` would not wait on it) and returns a handle that applies them; the group's
+    ``param_gather_handle`` becomes a handle over both, so ``finish_param_sync`` (overlapped
+    gather) and the synchronous path both end with the parameters applied. A bucket with no
+    pending codes and ``held`` in sync sends nothing (an fp16 step skipped on overflow, a second
+    ``force_sync``).
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, Hashable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import kernels, weight_difference
+from ..collectives import GroupWork
+from ..config import LoCoConfig, LoCoConfigError, flag
+from ..layout import BucketLayout
+from ..weight_difference import ParamGatherStats
+from . import compat
+
+
+@dataclass
+class _Bucket:
+    bucket: object
+    group: object
+    world: int
+    rank: int
+    layout: BucketLayout
+
+    def own(self) -> torch.Tensor:
+        """This rank's shard of the bucket's ``param_data`` (a view)."""
+        shard = self.layout.shard
+        return self.bucket.param_data.view(-1)[self.rank * shard:(self.rank + 1) * shard]
+
+
+class ParamSync:
+    """Per-install state of the weight-difference all-gather.
+
+    Attributes:
+        config: the :class:`LoCoConfig` (``param_bits`` 4 or 8).
+        stats: exact bytes and drift (:class:`~loco_megatron.weight_difference.ParamGatherStats`).
+        buckets: stable bucket key -> the bucket, its DP group, size, rank and layout.
+        pending: bucket key -> ``(payload, scales)`` encoded at the optimizer step, not yet sent.
+        synced: keys whose ``held`` is known to be the same on every replica (exact all-gather
+            done since the start or the last checkpoint load).
+        fp32_copies: elements of fp32 main-parameter copies made (the start-up line's memory).
+    """
+
+    def __init__(self, config: LoCoConfig):
+        self.config = config
+        self.stats = ParamGatherStats()
+        self.buckets: Dict[Hashable, _Bucket] = {}
+        self.pending: Dict[Hashable, tuple] = {}
+        self.synced = set()
+        self.fp32_copies = 0
+        self.timers = None
+        #: bucket key -> scales of the last difference this rank encoded (the bound's step)
+        self.last_scales: Dict[Hashable, torch.Tensor] = {}
+
+    def register(self, bucket, group, world: int, rank: int, layout: BucketLayout) -> None:
+        """Send ``bucket``'s parameter all-gather (over ``group``, ``world`` ranks) as weight
+        differences from now on."""
+        self.buckets[bucket.loco_key] = _Bucket(bucket, group, world, rank, layout)
+
+    def entry(self, bucket) -> Optional[_Bucket]:
+        """The registration of ``bucket`` (None: megatron-core's own all-gather)."""
+        e = self.buckets.get(getattr(bucket, "loco_key", None))
+        return e if e is not None and e.bucket is bucket else None
+
+    def invalidate(self) -> None:
+        """Parameters were loaded: resynchronise ``held`` exactly before the next difference."""
+        self.synced.clear()
+        self.pending.clear()
+
+    def _impl(self, tensor) -> str:
+        return kernels.select(self.config.kernels, tensor)
+
+    def resync(self, entries: List[_Bucket]) -> None:
+        """Exact all-gather of ``held`` for ``entries`` (stock bytes; synchronous)."""
+        for e in entries:
+            flat = e.bucket.param_data.view(-1)
+            chunks = list(flat.split(e.layout.shard))
+            dist.all_gather(chunks, e.own().clone(), group=e.group)
+            self.count_exact(e)
+
+    def count_exact(self, e: _Bucket) -> None:
+        """An exact all-gather of ``e``'s ``held``: counted at stock bytes; ``e`` in sync."""
+        nbytes = (e.world - 1) * e.layout.shard * e.bucket.param_data.element_size()
+        self.stats.exact_gathers += 1
+        self.stats.bytes_sent += nbytes
+        self.stats.stock_bytes += nbytes
+        self.synced.add(e.bucket.loco_key)
+
+    def encode(self, e: _Bucket, new: torch.Tensor, held: torch.Tensor) -> None:
+        """Encode ``Q(new - held)`` of ``e``'s own shard, keep it for the all-gather and write
+        ``held + deQ`` into the own shard (its ``param_data`` slice)."""
+        key = e.bucket.loco_key
+        if key in self.pending:
+            raise RuntimeError(
+                f"LoCo {flag('param_bits')}: bucket {key} was stepped twice without a parameter "
+                f"all-gather in between (megatron-core's start_param_sync was skipped); its "
+                f"replicas would diverge.")
+        impl, bits = self._impl(new), self.config.param_bits
+        payload, scales = weight_difference.encode(impl, new, held, e.layout, e.rank, bits)
+        own = e.own()
+        own.copy_(held)
+        weight_difference.apply(impl, own, payload, scales, e.layout, e.rank, bits)
+        self.stats.add_drift(new, own)
+        self.pending[key] = (payload, scales)
+        self.last_scales[key] = scales
+
+    def gather(self, e: _Bucket, async_op: bool):
+        """Launch the all-gather of ``e``'s pending codes (None when nothing is pending)."""
+        chunk = self.pending.pop(e.bucket.loco_key, None)
+        if chunk is None:
+            return None
+        impl = self._impl(e.bucket.param_data)
+        timers = self.timers() if self.timers is not None else None
+        return weight_difference.all_gather_differences(
+            e.bucket.param_data, chunk[0], chunk[1], e.layout, e.group, async_op, impl=impl,
+            bits=self.config.param_bits, stats=self.stats, timers=timers)
+
+
+def check_ddp_config(ddp_config, dp_size: int) -> None:
+    """Refuse DDP settings whose parameter all-gather LoCo cannot replace (LoCoConfigError
+    naming ``--loco-param-bits``); DP size 1 sends nothing and is never refused."""
+    if dp_size <= 1:
+        return
+    name = flag("param_bits")
+    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp",
+                                                                   False):
+        raise LoCoConfigError(f"{name} replaces the distributed optimizer's all-gather; megatron "
+                              f"FSDP gathers parameters its own way: drop {name} or FSDP.")
+    if not ddp_config.use_distributed_optimizer:
+        raise LoCoConfigError(
+            f"{name} needs the distributed optimizer (--use-distributed-optimizer): without it "
+            f"there is no parameter all-gather (plain DDP) or it is the layer-wise optimizer's "
+            f"variable-size gather, which LoCo does not compress; drop {name}.")
+    for attr, what in (("fp8_param_gather", "--fp8-param-gather"),
+                       ("fp4_param_gather", "--fp4-param-gather"),
+                       ("reuse_grad_buf_for_mxfp8_param_ag", "mxfp8 parameter all-gather")):
+        if getattr(ddp_config, attr, False):
+            raise LoCoConfigError(f"{name} sends bf16/fp32 weight differences; {what} gathers "
+                                  f"quantized parameters instead: choose one.")
+
+
+def _wrap_optimizer_init(orig, state):
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        sync = state.param_sync
+        if getattr(self, "is_stub_optimizer", False) or not sync.buckets:
+            return
+        if getattr(self.config, "use_precision_aware_optimizer", False):
+            raise LoCoConfigError(
+                f"{flag('param_bits')} needs megatron-core's fp32 main parameters; the "
+                f"precision-aware optimizer (--use-precision-aware-optimizer) keeps them inside "
+                f"the fused optimizer: drop one of the two.")
+        sync.fp32_copies += _separate_fp32_main_params(self, sync)
+    return __init__
+
+
+def _separate_fp32_main_params(opt, sync: ParamSync) -> int:
+    """Give every fp32 main-parameter shard of a registered bucket its own storage (a clone of
+    the view megatron-core made into ``param_data``), in ``shard_fp32_groups`` and in the
+    optimizer's parameter groups. Returns the elements copied."""
+    copied, swaps = 0, {}
+    for shard_group, model_group in zip(opt.shard_fp32_groups, opt.model_fp32_groups):
+        for i, (shard, param) in enumerate(zip(shard_group, model_group)):
+            gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
+            if sync.entry(opt.buffers[gbuf_index].buckets[bucket_id]) is None:
+                continue
+            copy = shard.detach().clone()
+            copy.__dict__.update(shard.__dict__)  # tensor-parallel and optimizer attributes
+            swaps[id(shard)] = copy
+            shard_group[i] = copy
+            copied += copy.numel()
+    for group in opt.optimizer.param_groups:
+        group["params"] = [swaps.get(id(p), p) for p in group["params"]]
+    return copied
+
+
+def main_shards(opt, entries: List[_Bucket], held: Dict[Hashable, torch.Tensor]
+                ) -> Dict[Hashable, torch.Tensor]:
+    """The fp32 main parameters of each entry's own shard, in the bucket's layout
+    (``[shard]``; elements no parameter covers: ``held``'s value), from the same maps
+    megatron-core's ``_copy_main_params_to_model_params`` uses."""
+    out = {e.bucket.loco_key: held[e.bucket.loco_key].to(torch.float32, copy=True)
+           for e in entries}
+    starts = {e.bucket.loco_key: e.rank * e.layout.shard for e in entries}
+    pairs = list(zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups)) + list(
+        zip(opt.shard_fp32_groups, opt.model_fp32_groups))
+    for shard_group, model_group in pairs:
+        for main, param in zip(shard_group, model_group):
+            gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
+            key = getattr(opt.buffers[gbuf_index].buckets[bucket_id], "loco_key", None)
+            if key not in out:
+                continue
+            world_range = opt._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+            lo = world_range.start - starts[key]
+            out[key][lo:lo + main.numel()].copy_(main.detach().view(-1))
+    return out
+
+
+def _optimizer_entries(opt, sync: ParamSync) -> List[_Bucket]:
+    out = []
+    for buffer in opt.buffers:
+        for bucket in buffer.buckets:
+            e = sync.entry(bucket)
+            if e is not None:
+                out.append(e)
+    return out
+
+
+def _wrap_copy_main_params(orig, state):
+    @functools.wraps(orig)
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self, *args, **kwargs):
+        sync = state.param_sync
+        if getattr(self, "is_stub_optimizer", False):
+            return orig(self, *args, **kwargs)
+        entries = _optimizer_entries(self, sync)
+        sync.resync([e for e in entries if e.bucket.loco_key not in sync.synced])
+        held = {e.bucket.loco_key: e.own().clone() for e in entries}
+        result = orig(self, *args, **kwargs)
+        if entries:
+            timer = weight_difference.TIMER_NAMES[0]
+            timers = sync.timers() if sync.timers is not None else None
+            if timers is not None:
+                timers(timer, log_level=2).start()
+            new = main_shards(self, entries, held)
+            for e in entries:
+                key = e.bucket.loco_key
+                sync.encode(e, new.pop(key), held.pop(key))
+            if timers is not None:
+                timers(timer, log_level=2).stop()
+        return result
+    return _copy_main_params_to_model_params
+
+
+def _wrap_start_param_sync(orig, state):
+    @functools.wraps(orig)
+    def start_param_sync(self, *args, **kwargs):
+        sync = state.param_sync
+        entries = [sync.entry(b) for b in self.buckets]
+        if not self.ddp_config.use_distributed_optimizer or not any(entries):
+            return orig(self, *args, **kwargs)
+        module = compat.param_and_grad_buffer_module()
+        stock = module.dist_all_gather_func
+        order, works = iter(zip(self.buckets, entries)), []
+
+        def all_gather(output, input, group=None, async_op=False):
+            bucket, e = next(order)
+            if bucket.param_data.data_ptr() != output.data_ptr():
+                raise RuntimeError(
+                    "LoCo: megatron-core all-gathered a tensor that is not the next bucket's "
+                    "param_data (unsupported megatron-core version).")
+            if e is None:
+                return stock(output, input, group=group, async_op=async_op)
+            if bucket.loco_key not in sync.synced:  # not stepped under LoCo yet: exact
+                sync.count_exact(e)
+                return stock(output, input, group=group, async_op=async_op)
+            work = sync.gather(e, async_op)
+            works.append(work)
+            return None
+
+        module.dist_all_gather_func = all_gather
+        try:
+            result = orig(self, *args, **kwargs)
+        finally:
+            module.dist_all_gather_func = stock
+        if self.param_gather_handle is not None and works:
+            self.param_gather_handle = GroupWork([self.param_gather_handle] + works)
+        return result
+    return start_param_sync
+
+
+def patches(state) -> list:
+    """``[(owner, attribute, wrapper factory)]`` of the parameter path (``--loco-param-bits``)."""
+    DistributedOptimizer = compat.distributed_optimizer_class()
+    return [
+        (DistributedOptimizer, "__init__", functools.partial(_wrap_optimizer_init, state=state)),
+        (DistributedOptimizer, "_copy_main_params_to_model_params",
+         functools.partial(_wrap_copy_main_params, state=state)),
+        (compat.bucket_group_class(), "start_param_sync",
+         functools.partial(_wrap_start_param_sync, state=state)),
+    ]

@@ -1,0 +1,213 @@
+"""Weight-difference all-gather (``--loco-param-bits``): the parameter half of DP traffic.
+
+docs/param_gather.md. With megatron-core's distributed optimizer, each data-parallel rank owns
+one shard of every bucket: after the optimizer step it holds the new fp32 main parameters of
+its shard, and the bucket's parameter all-gather (param_and_grad_buffer.py
+``_ParamAndGradBucketGroup.start_param_sync``) sends every shard, in the parameters' dtype, to
+every replica. Here the owner sends the *weight difference* instead (SDP4Bit, arXiv
+2410.15526, quantizes weight differences the same way), per bucket and rank ``r``:
+
+    1. difference  d = new - held          fp32, over rank r's shard; ``held`` = the model
+                                           parameters every replica holds (same bits everywhere)
+    2. quantize    c = Q_b(d)              blockwise absmax, one fp32 scale per block (the
+                                           gradient path's quantizer, block layout and kernels)
+    3. all-gather  every rank receives every owner's ``c`` (codes and scales)
+    4. apply       held <- RN_dtype(held + deQ(c))   on every rank, the owner included, in the
+                                           same order: replicas stay bit-identical
+
+The fp32 main parameters are never touched, so what one step's quantization drops stays in the
+next step's ``new - held`` (error feedback without a buffer) and, elementwise,
+
+    |main - held| <= scale / 2 + ulp_dtype(held) / 2        (scale: the block's, last step)
+
+up to the fp32 rounding of ``d`` and of ``held + deQ(c)``: it never accumulates. Blocks follow
+the bucket's :class:`~loco_megatron.layout.BucketLayout` (cut at shard and parameter
+boundaries, so a tensor-parallel-replicated parameter is quantized alike on every TP rank); each
+rank's chunk on the wire is padded to the largest shard's, so the all-gather is even:
+``bits * padded_shard / 8 + 4 * padded_shard / block`` bytes per rank instead of
+``shard * element size``.
+
+Encoding and decoding go through :mod:`loco_megatron.kernels` (``--loco-kernels``: torch
+reference, C, Triton; bit-identical codes and scales): the compress kernel with its error update
+off (a reset step, ``beta = 0``) is exactly ``Q_b``, and decompressing one chunk is exactly
+``deQ``.
+"""
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import kernels
+from .collectives import launch, step_timer
+from .error_buffer import ErrorBuffer
+from .layout import BucketLayout
+
+#: Megatron timers (log level 2) of the parameter path: encode + own apply; decode + apply of
+#: the received chunks
+TIMER_NAMES = ("loco-param-encode", "loco-param-decode")
+
+
+@lru_cache(maxsize=512)
+def shard_layouts(layout: BucketLayout) -> Tuple[BucketLayout, ...]:
+    """Per DP rank ``r``, the one-rank layout of shard ``r`` of ``layout`` (the same block cuts,
+    offsets relative to the shard): what rank ``r`` encodes and every rank decodes."""
+    out = []
+    for r, segs in enumerate(layout.segments):
+        base = r * layout.shard
+        cuts = [src - base for src, _, _ in segs]
+        out.append(BucketLayout.build(layout.shard, 1, layout.block_size, cuts))
+    return tuple(out)
+
+
+def chunk_shape(layout: BucketLayout, bits: int) -> Tuple[int, int]:
+    """``(payload bytes, scales)`` one rank contributes to a bucket's all-gather (padded to the
+    largest shard, so every rank sends the same)."""
+    return layout.padded_shard * bits // 8, layout.padded_shard // layout.block_size
+
+
+def wire_bytes(layout: BucketLayout, bits: int) -> int:
+    """Bytes one rank sends to each peer per bucket: ``(bits * P + 32 * P / block) / 8``."""
+    payload, scales = chunk_shape(layout, bits)
+    return payload + 4 * scales
+
+
+def encode(impl: str, new: torch.Tensor, held: torch.Tensor, layout: BucketLayout, rank: int,
+           bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Steps 1-2 on the owner: ``Q_b(new - held)`` of shard ``rank``, padded for the wire.
+
+    Args:
+        impl: ``"torch"``, ``"cpu"`` or ``"triton"`` (:func:`loco_megatron.kernels.select`).
+        new: fp32 ``[layout.shard]``, the new main parameters in the bucket's shard layout
+            (elements no parameter covers hold ``held``'s value: difference 0).
+        held: ``[layout.shard]`` in the parameter dtype, what every replica holds now.
+        layout: the bucket's layout; rank: the owner's index in the DP group; bits: 4 or 8.
+
+    Returns:
+        ``(payload uint8 [P * bits / 8], scales fp32 [P / block])`` (:func:`chunk_shape`);
+        a NaN/inf in ``new`` gives its block a non-finite scale (decoded NaN, as stock would
+        copy it).
+    """
+    lay = shard_layouts(layout)[rank]
+    diff = new - held.float()
+    table = kernels.block_table(lay, diff.device if impl != "torch" else "cpu")
+    scratch = ErrorBuffer(lay.padded_shard, lay.block_size, "fp32", torch.float32, diff.device)
+    payload, scales, *_ = kernels.compress_bucket(impl, diff, table, scratch, bits=bits, beta=0.0,
+                                                  reset=True, want_err_sq=False)
+    del scratch, diff
+    nbytes, nscales = chunk_shape(layout, bits)
+    out_p = torch.zeros(nbytes, dtype=torch.uint8, device=new.device)
+    out_s = torch.zeros(nscales, dtype=torch.float32, device=new.device)
+    out_p[:payload.numel()] = payload
+    out_s[:scales.numel()] = scales
+    return out_p, out_s
+
+
+def apply(impl: str, target: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+          layout: BucketLayout, rank: int, bits: int) -> None:
+    """Step 4 for shard ``rank``: ``target <- RN_dtype(target + deQ(c))`` in place.
+
+    Args:
+        target: ``[layout.shard]`` parameter-dtype view of shard ``rank`` of the bucket's
+            parameters (``held``), on any rank.
+        payload, scales: what rank ``rank`` sent (:func:`encode`).
+    """
+    lay = shard_layouts(layout)[rank]
+    table = kernels.block_table(lay, target.device if impl != "torch" else "cpu")
+    delta = torch.empty(lay.shard, dtype=torch.float32, device=target.device)
+    used = lay.padded_shard * bits // 8
+    kernels.decompress_shard(impl, payload[:used], scales[:lay.padded_shard // lay.block_size],
+                             table, 0, bits=bits, average=False, out=delta)
+    if target.dtype == torch.float32:
+        target.add_(delta)
+    else:
+        target.copy_(target.float().add_(delta))
+
+
+@dataclass
+class ParamGatherStats:
+    """Exact bytes of the parameter all-gathers this rank sent, and the drift of ``held``.
+
+    ``bytes_sent`` counts every byte sent to another rank (compressed chunks, and the exact
+    all-gathers of :attr:`exact_gathers`); ``stock_bytes`` what megatron-core's all-gather
+    would have sent for the same buckets (``(world - 1) * shard * element size``). The drift
+    sums stay on the device: ``max |main - held|``, ``sum (main - held)^2`` and
+    ``sum main^2`` over this rank's own shards after each compressed step."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    stock_bytes: int = 0
+    exact_gathers: int = 0
+    drift: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def add_drift(self, new: torch.Tensor, held: torch.Tensor) -> None:
+        """Accumulate ``[max |new - held|, sum (new - held)^2, sum new^2, elements]`` (fp64,
+        on the device; no host sync)."""
+        r = (new - held.float()).double()
+        row = torch.stack([r.abs().max() if r.numel() else r.new_zeros(()), r.dot(r),
+                           new.double().dot(new.double()),
+                           torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device)])
+        if self.drift is None:
+            self.drift = row
+        else:
+            self.drift = torch.stack([torch.maximum(self.drift[0], row[0]),
+                                      *(self.drift[1:] + row[1:])])
+
+    def take_drift(self) -> Optional[Tuple[float, float]]:
+        """``(max |main - held| / rms(main), rms(main - held) / rms(main))`` since the last
+        call, over this rank's shards (None when nothing was compressed)."""
+        if self.drift is None:
+            return None
+        mx, rsq, msq, n = (float(v) for v in self.drift.cpu())
+        self.drift = None
+        rms = (msq / n) ** 0.5 if n else 0.0
+        if not rms:
+            return 0.0, 0.0
+        return mx / rms, (rsq / n) ** 0.5 / rms
+
+
+def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
+                           layout: BucketLayout, group, async_op: bool, *, impl: str, bits: int,
+                           stats: Optional[ParamGatherStats] = None, timers=None):
+    """Steps 3-4 for one bucket: all-gather every owner's codes and scales, then apply the
+    other ranks' differences to ``params`` (the owner applied its own at :func:`encode` time).
+
+    Uses ``torch.distributed.all_gather`` (lists), which megatron-core's ``_coalescing_manager``
+    does not capture: the collectives run now, and with ``async_op`` the returned
+    :class:`~loco_megatron.collectives.LoCoWork` finishes the apply in ``wait()`` (the handle
+    the bucket group must wait on).
+
+    Args:
+        params: the bucket's ``param_data`` ``[layout.numel]`` (parameter dtype).
+        payload, scales: this rank's chunk (:func:`encode`).
+        layout: the bucket's layout; group: its DP group.
+
+    Returns:
+        the work handle with ``async_op``, else None after applying.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    recv_p = [torch.empty_like(payload) for _ in range(world)]
+    recv_s = [torch.empty_like(scales) for _ in range(world)]
+    comm_timer = step_timer(timers, "loco-comm")
+    comm_timer.start()
+    works = [dist.all_gather(recv_p, payload, group=group, async_op=async_op),
+             dist.all_gather(recv_s, scales, group=group, async_op=async_op)]
+    comm_timer.stop()
+    if stats is not None:
+        stats.calls += 1
+        stats.bytes_sent += (world - 1) * (payload.numel() + 4 * scales.numel())
+        stats.stock_bytes += (world - 1) * layout.shard * params.element_size()
+
+    def finish():
+        timer = step_timer(timers, TIMER_NAMES[1])
+        timer.start()
+        flat = params.view(-1)
+        for r in range(world):
+            if r != rank:
+                apply(impl, flat[r * layout.shard:(r + 1) * layout.shard], recv_p[r], recv_s[r],
+                      layout, r, bits)
+        timer.stop()
+
+    return launch(works, finish, comm_timer, async_op)

@@ -1,0 +1,117 @@
+"""Ranks of the ``--loco-param-bits`` tests: the tiny GPT of :mod:`.worker_megatron` trained with
+the weight-difference parameter all-gather, checking after every step that the replicas hold
+the same bits, that ``|main - held|`` is within the bound and what went on the wire."""
+
+import torch
+import torch.distributed as dist
+
+from .worker_megatron import build_gpt, forward_backward, setup, tp_drift
+
+MODES = {"stock": {}, "param16": dict(param_bits=16), "unset": {},
+         "param4": dict(param_bits=4), "param8": dict(param_bits=8),
+         "both4": dict(bits=4, param_bits=4)}
+
+
+def replicas_identical(model, group) -> bool:
+    """Every parameter of ``model`` bit-identical on all ranks of ``group`` (checksums of the
+    raw bytes, then the bytes themselves)."""
+    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.module.parameters()])
+    copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(copies, flat, group=group)
+    return all(torch.equal(c, flat) for c in copies)
+
+
+def drift_ratio(opt, sync) -> float:
+    """Largest ``|main - held| / bound`` over this rank's own shards (<= 1 within the bound):
+    bound = half the block's quantization step of the last difference + half an ulp of the
+    parameter dtype + the fp32 roundings of ``new - held`` and ``held + deQ``."""
+    from loco_megatron.megatron import param_sync
+    from loco_megatron.weight_difference import shard_layouts
+
+    worst = 0.0
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        entries = param_sync._optimizer_entries(o, sync)
+        held = {e.bucket.loco_key: e.own().clone() for e in entries}
+        new = param_sync.main_shards(o, entries, held)
+        for e in entries:
+            key = e.bucket.loco_key
+            if key not in sync.last_scales:
+                continue
+            lay = shard_layouts(e.layout)[e.rank]
+            half = (sync.last_scales[key][:lay.padded_shard // lay.block_size] / 2)
+            half = half.repeat_interleave(lay.block_size)
+            step = torch.empty(lay.shard, dtype=torch.float32)
+            lay.from_padded_shard(half, 0, step)
+            h = held[key].float()
+            ulp = torch.finfo(held[key].dtype).eps * h.abs() / 2
+            fp32 = 2 * torch.finfo(torch.float32).eps * torch.maximum(new[key].abs(), h.abs())
+            bound = step + ulp + fp32 + 1e-30
+            worst = max(worst, float(((new[key] - h).abs() / bound).max()))
+    return worst
+
+
+def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
+          bucket_size: int = 20000, block_size: int = 256, **build_kwargs):
+    """Train ``steps`` steps; returns losses, final parameters, per-step replica checks and
+    drift ratios, and the parameter all-gather's byte counts."""
+    import loco_megatron
+    from loco_megatron.accounting import param_gather_bytes_per_step
+    from megatron.core import parallel_state as ps
+
+    state = None
+    if mode != "stock":
+        state = loco_megatron.install(loco_megatron.LoCoConfig(block_size=block_size,
+                                                               **MODES[mode]))
+    sync = state.param_sync if state is not None else None
+    handed = []
+    original = dist.all_gather
+
+    def recording(tensor_list, tensor, group=None, async_op=False):
+        handed.append(tensor.numel() * tensor.element_size())
+        return original(tensor_list, tensor, group=group, async_op=async_op)
+
+    try:
+        model, opt = build_gpt(overlap, bucket_size, params_dtype=params_dtype,
+                               overlap_param_gather=overlap, **build_kwargs)
+        dp = ps.get_data_parallel_group()
+        losses, identical, drifts, step_bytes, handed_bytes = [], [], [], [], []
+        for step in range(steps):
+            loss = forward_backward(model, opt)  # the forward waited for every gather
+            identical.append(replicas_identical(model, dp))
+            if sync is not None and step:
+                drifts.append(drift_ratio(opt, sync))
+            before = sync.stats.bytes_sent if sync is not None else 0
+            dist.all_gather = recording
+            try:
+                opt.step()
+                if not overlap:
+                    step_bytes.append((sync.stats.bytes_sent - before) if sync else 0)
+            finally:
+                dist.all_gather = original
+            handed_bytes.append(sum(handed))
+            handed.clear()
+            losses.append(float(loss))
+        model.start_param_sync(force_sync=True)  # as megatron before a save or evaluation
+        identical.append(replicas_identical(model, dp))
+        expected = None
+        if sync is not None:
+            layouts = [(e.layout, e.bucket.param_data.element_size())
+                       for e in sync.buckets.values()]
+            expected = param_gather_bytes_per_step(sync.config.param_bits, layouts)
+        return {"losses": losses,
+                "params": {n: p.detach().float().clone() for n, p in model.module.named_parameters()},
+                "identical": identical, "drift": drifts, "tp_drift": tp_drift(model),
+                "step_bytes": step_bytes, "handed": handed_bytes, "expected": expected,
+                "stats": None if sync is None else (sync.stats.bytes_sent, sync.stats.stock_bytes,
+                                                    sync.stats.exact_gathers, sync.stats.calls,
+                                                    sync.fp32_copies),
+                "buckets": len(model.bucket_groups)}
+    finally:
+        loco_megatron.uninstall()
+
+
+def grid_worker(rank, world, tp, modes, steps, overlap, params_dtype, build_kwargs=None):
+    """``train`` each mode of ``modes`` on a TP ``tp`` x DP ``world / tp`` grid."""
+    setup(tp, "gloo")
+    return {mode: train(mode, overlap, steps, params_dtype=params_dtype, **(build_kwargs or {}))
+            for mode in modes}
