@@ -146,7 +146,7 @@ class LoCoConfig:
 
     param_bits: Optional[int] = _setting(
         None, "--loco-param-bits",
-        "bits per weight difference in the parameter all-gather: 4 or 8; unset: stock all-gather",
+        "bits per weight difference in the parameter all-gather: 4 or 8",
         shared=True, checkpoint=RECORD, metavar="{4,8}")
     """Bits per element of the distributed optimizer's parameter all-gather
     (``--loco-param-bits``; docs/param_gather.md): 4 or 8 send each DP shard's weight

@@ -33,9 +33,10 @@ off (a reset step, ``beta = 0``) is exactly ``Q_b``, and decompressing one chunk
 ``deQ``.
 """
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -141,6 +142,7 @@ class ParamGatherStats:
     stock_bytes: int = 0
     exact_gathers: int = 0
     drift: Optional[torch.Tensor] = field(default=None, repr=False)
+    _mark: Tuple[int, int] = field(default=(0, 0), repr=False)
 
     def add_drift(self, new: torch.Tensor, held: torch.Tensor) -> None:
         """Accumulate ``[max |new - held|, sum (new - held)^2, sum new^2, elements]`` (fp64,
@@ -155,17 +157,32 @@ class ParamGatherStats:
             self.drift = torch.stack([torch.maximum(self.drift[0], row[0]),
                                       *(self.drift[1:] + row[1:])])
 
-    def take_drift(self) -> Optional[Tuple[float, float]]:
-        """``(max |main - held| / rms(main), rms(main - held) / rms(main))`` since the last
-        call, over this rank's shards (None when nothing was compressed)."""
-        if self.drift is None:
-            return None
-        mx, rsq, msq, n = (float(v) for v in self.drift.cpu())
+    def reduce(self, steps: int, group=None) -> Optional[Dict[str, float]]:
+        """The window since the last call, over ``group`` (collective: every rank calls it):
+        ``bytes_per_step`` and ``stock_bytes_per_step`` (largest per-rank mean over ``steps``
+        steps), ``drift_max`` = max ``|main - held|`` / rms(main) and ``drift_rms`` =
+        rms(main - held) / rms(main) over every rank's own shards after its last compressed
+        step. None on every rank when nothing was gathered in the window."""
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+        sent, stock = self.bytes_sent - self._mark[0], self.stock_bytes - self._mark[1]
+        self._mark = (self.bytes_sent, self.stock_bytes)
+        drift = (self.drift.to(device) if self.drift is not None
+                 else torch.zeros(4, dtype=torch.float64, device=device))
         self.drift = None
-        rms = (msq / n) ** 0.5 if n else 0.0
-        if not rms:
-            return 0.0, 0.0
-        return mx / rms, (rsq / n) ** 0.5 / rms
+        top = torch.stack([drift[0], torch.tensor(float(sent), dtype=torch.float64, device=device),
+                           torch.tensor(float(stock), dtype=torch.float64, device=device)])
+        sums = drift[1:].clone()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(sums, group=group)
+        (mx, sent, stock), (rsq, msq, n) = top.cpu().tolist(), sums.cpu().tolist()
+        if not stock:
+            return None
+        rms = math.sqrt(msq / n) if n else 0.0
+        steps = max(steps, 1)
+        return {"bytes_per_step": sent / steps, "stock_bytes_per_step": stock / steps,
+                "drift_max": mx / rms if rms else 0.0,
+                "drift_rms": math.sqrt(rsq / n) / rms if rms else 0.0}
 
 
 def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,

@@ -27,9 +27,21 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
     Raises:
         LoCoConfigError: naming the conflicting flag.
     """
+    _check_fsdp(args, config)
+    if config.params_enabled:
+        from ..megatron.param_sync import check_ddp_config as check_param_config
+
+        check_param_config(argparse.Namespace(
+            use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
+            fp8_param_gather=getattr(args, "fp8_param_gather", False),
+            fp4_param_gather=getattr(args, "fp4_param_gather", False)), gradient_dp_size(args))
+        if getattr(args, "use_precision_aware_optimizer", False) and gradient_dp_size(args) > 1:
+            raise LoCoConfigError(
+                f"--loco-param-bits {config.param_bits} needs megatron-core's fp32 main "
+                f"parameters; --use-precision-aware-optimizer keeps them inside the fused "
+                f"optimizer: drop one of the two.")
     if not config.enabled:
         return
-    _check_fsdp(args, config)
     if config.hierarchical:  # LOCAL_WORLD_SIZE from the launcher, at start-up
         from ..hierarchical import local_world_size
 
@@ -73,6 +85,11 @@ def _check_fsdp(args, config: LoCoConfig) -> None:
             raise LoCoConfigError(
                 f"--loco-bits {config.bits} cannot be used with {flag}: FSDP replaces "
                 f"megatron-core's DDP gradient buffers that LoCo compresses; drop one of the two.")
+        if config.params_enabled and getattr(args, attr, False):
+            raise LoCoConfigError(
+                f"--loco-param-bits {config.param_bits} cannot be used with {flag}: FSDP "
+                f"gathers parameters its own way, not through the distributed optimizer's "
+                f"all-gather that LoCo compresses; drop one of the two.")
 
 
 def preparse_loco_config(argv) -> LoCoConfig:

@@ -186,6 +186,16 @@ def stock_reduce_scatter_funcs() -> tuple:
                              getattr(c10d, "_reduce_scatter_base", None)) if f is not None)
 
 
+def stock_all_gather_funcs() -> tuple:
+    """The functions megatron-core's ``dist_all_gather_func`` is bound to at import:
+    ``all_gather_into_tensor`` or, on old torch, ``_all_gather_base`` of
+    ``torch.distributed.distributed_c10d`` (param_and_grad_buffer.py, 0.13-0.19)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return tuple(f for f in (getattr(c10d, "all_gather_into_tensor", None),
+                             getattr(c10d, "_all_gather_base", None)) if f is not None)
+
+
 def distributed_optimizer_class():
     """``megatron.core.optimizer.distrib_optimizer.DistributedOptimizer``."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer

@@ -318,6 +318,15 @@ def install(config: LoCoConfig) -> LoCoState:
         if not any(current is f for f in compat.stock_reduce_scatter_funcs()):
             raise LoCoConfigError(_foreign_reduce_scatter_message(current, "before install()"))
         state.stock_reduce_scatter = current
+    if state.param_active:  # the same for the parameter all-gather
+        current = compat.param_and_grad_buffer_module().dist_all_gather_func
+        if not any(current is f for f in compat.stock_all_gather_funcs()):
+            raise LoCoConfigError(
+                f"LoCo: megatron-core's param_and_grad_buffer.dist_all_gather_func is "
+                f"{getattr(current, '__module__', '?')}.{getattr(current, '__qualname__', current)}"
+                f", not torch's all_gather_into_tensor; --loco-param-bits replaces that call, so "
+                f"this replacement (another plugin or a mock) would be bypassed: remove it or "
+                f"drop --loco-param-bits.")
     # DDP construction: with LoCo off only the bits agreement check (one all_gather_object per
     # DP group at start-up; gradients untouched)
     targets = ckpt_hooks.patches(state) + [(compat.ddp_class(), "__init__", _wrap_ddp_init)]

@@ -62,10 +62,30 @@ def format_fields(fig: LoCoFigures) -> str:
             f" loco compression ratio: {fig.compression_ratio:.3f} |")
 
 
-def _write(fig: LoCoFigures, iteration: int) -> None:
+#: TensorBoard / wandb tag of each parameter all-gather figure (``--loco-param-bits``)
+PARAM_TAGS = {
+    "bytes_per_step": "loco/param-gather-bytes-per-step",
+    "stock_bytes_per_step": "loco/param-gather-stock-bytes-per-step",
+    "drift_max": "loco/param-drift-max",
+    "drift_rms": "loco/param-drift-rms",
+}
+
+
+def format_param_fields(fig: dict) -> str:
+    """The ``--loco-param-bits`` fields of the iteration line: the parameter all-gather's bytes
+    per step (and stock's), and max / RMS of ``main - held`` relative to the parameters' RMS."""
+    return (f" loco param-gather bytes per step: {fig['bytes_per_step']:.0f} "
+            f"(stock {fig['stock_bytes_per_step']:.0f}) |"
+            f" loco param drift max/rms: {fig['drift_max']:.3E}/{fig['drift_rms']:.3E} |")
+
+
+def _write(fig, iteration: int, tags=None) -> None:
     from megatron.training import global_vars
 
-    values = {tag: float(getattr(fig, name)) for name, tag in TAGS.items()}
+    if isinstance(fig, dict):
+        values = {tag: float(fig[name]) for name, tag in (tags or PARAM_TAGS).items()}
+    else:
+        values = {tag: float(getattr(fig, name)) for name, tag in (tags or TAGS).items()}
     writer = global_vars.get_tensorboard_writer()  # last rank only
     if writer is not None:
         for tag, value in values.items():
@@ -88,21 +108,32 @@ def _with_loco_timers(method):
 
 def _wrap_training_log(orig, module, state):
     signature = inspect.signature(orig)
+    window = [0]  # training_log calls (optimizer steps) since the last iteration line
 
     @functools.wraps(orig)
     def training_log(*args, **kwargs):
-        if plugin.get_state() is not state or state.metrics is None:
+        if plugin.get_state() is not state or (state.metrics is None
+                                                and not state.param_active):
             return orig(*args, **kwargs)  # LoCo uninstalled since
-        state.metrics.end_step()
+        if state.metrics is not None:
+            state.metrics.end_step()
+        window[0] += 1
         iteration = signature.bind(*args, **kwargs).arguments["iteration"]
         print_line = module.print_rank_last
 
         def print_rank_last(message):
             if _is_iteration_line(message):
-                fig = state.metrics.reduce()  # collective: every rank prints through here
+                # collectives: every rank prints through here
+                fig = state.metrics.reduce() if state.metrics is not None else None
                 if fig is not None:
                     message = message + format_fields(fig)
                     _write(fig, iteration)
+                if state.param_active:
+                    pfig = state.param_sync.stats.reduce(window[0])
+                    window[0] = 0
+                    if pfig is not None:
+                        message = message + format_param_fields(pfig)
+                        _write(pfig, iteration, PARAM_TAGS)
             print_line(message)
 
         # for this call only: the iteration line and the timers' lists
@@ -137,7 +168,7 @@ def install(state: Optional["plugin.LoCoState"] = None) -> bool:
     if _INSTALLED is not None:
         raise RuntimeError("LoCo training telemetry is already installed; call uninstall() first")
     state = state if state is not None else plugin.get_state()
-    if state is None or not state.active:
+    if state is None or not (state.active or state.param_active):
         return False
     try:
         from megatron.training import training
@@ -145,8 +176,11 @@ def install(state: Optional["plugin.LoCoState"] = None) -> bool:
         raise ImportError(
             "LoCo training telemetry needs megatron.training (megatron-core >= 0.17 wheels, or a "
             f"Megatron-LM checkout on PYTHONPATH): {e}") from e
-    state.enable_metrics()
+    if state.active:
+        state.enable_metrics()
     state.timers = megatron_timers
+    if state.param_active:
+        state.param_sync.timers = megatron_timers
     patches = PatchSet(PATCH_SET)
     patches.wrap(training, "training_log", lambda orig: _wrap_training_log(orig, training, state))
     _INSTALLED = (patches, state)

@@ -108,7 +108,7 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
     from . import workarounds
 
     emulated = activate_if_no_gpu()
-    if not (main_job or emulated or config.bits is not None):
+    if not (main_job or emulated or config.bits is not None or config.param_bits is not None):
         return emulated  # LoCo off in the user's own script on a GPU: megatron as shipped
     applied = workarounds.apply_needed(emulated)
     if applied and not _SAID:  # once per process
@@ -142,7 +142,7 @@ def install_from_args(args, emulated: bool):
         check_megatron_args(args, config)
     except LoCoConfigError as e:
         fail(e)
-    if config.bits is None:
+    if config.bits is None and config.param_bits is None:
         log_loco_startup(None, args, emulated)
         return None
     state = install(config)

@@ -370,3 +370,28 @@ def test_compress_randomized_differential(impl, seeds):
             if r[2]:  # the codes of a NaN block are not defined (the reference casts NaN)
                 continue
             assert torch.equal(r[0], g[0]), where
+
+
+@pytest.mark.parametrize("impl", FUSED)
+@pytest.mark.parametrize("bits,dtype", [(4, torch.float32), (4, torch.bfloat16),
+                                        (8, torch.float32), (8, torch.bfloat16)])
+def test_weight_difference_bit_exact(impl, bits, dtype):
+    """--loco-param-bits: encode (Q(new - held)) and apply (held + deQ) of every shard give the
+    reference's codes, scales and held parameters bit for bit."""
+    from loco_megatron import weight_difference as wd
+
+    dev = _device(impl)
+    layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
+    gen = torch.Generator().manual_seed(11)
+    held = (torch.randn(layout.numel, generator=gen) * 0.02).to(dtype)
+    new = held.float() + torch.randn(layout.numel, generator=gen) * 1e-3
+    for rank in range(layout.world):
+        part = slice(rank * layout.shard, (rank + 1) * layout.shard)
+        ref = wd.encode("torch", new[part], held[part], layout, rank, bits)
+        got = wd.encode(impl, new[part].to(dev), held[part].to(dev), layout, rank, bits)
+        assert torch.equal(got[0].cpu(), ref[0]) and torch.equal(got[1].cpu(), ref[1])
+        ref_held, got_held = held[part].clone(), held[part].clone().to(dev)
+        wd.apply("torch", ref_held, *ref, layout, rank, bits)
+        wd.apply(impl, got_held, got[0], got[1], layout, rank, bits)
+        assert torch.equal(got_held.cpu(), ref_held)
+        assert not torch.equal(ref_held, held[part])  # it moved

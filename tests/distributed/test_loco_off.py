@@ -20,7 +20,7 @@ from loco_megatron.megatron import compat, plugin
 from tests.helpers.multiproc import run_ranks
 from .worker_megatron import loco_off_worker
 
-OFF = ("stock", "unset", "bits16")
+OFF = ("stock", "unset", "bits16", "param16")
 
 
 def _assert_same_as_stock(results, modes):
@@ -57,7 +57,7 @@ def test_overlap_param_gather_without_distributed_optimizer_is_stock():
 @pytest.mark.parametrize("tp,world", [(1, 1), (2, 2)], ids=["TP1xDP1", "TP2xDP1"])
 def test_dp_size_1_is_stock_even_at_bits_4(tp, world, distributed_optimizer):
     """DP size 1: no gradient is communicated, so LoCo has nothing to compress or refuse."""
-    modes = OFF + ("loco4",)
+    modes = OFF + ("loco4", "param4")
     kwargs = {"use_distributed_optimizer": distributed_optimizer}
     results = run_ranks(loco_off_worker, world, tp, modes, kwargs)
     _assert_same_as_stock(results, modes[1:])

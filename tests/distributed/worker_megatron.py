@@ -194,7 +194,8 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
           check_steps=(0, 7), block_size: int = 256, start_iter: int = 0,
           param_sync: bool = True, **build_kwargs):
     """Build and train the tiny GPT with LoCo ``mode`` in {"stock", "unset", "bits16", "loco4",
-    "loco8"} ("unset": installed with ``LoCoConfig()``, bits None); ``build_kwargs`` go to
+    "loco8", "param16", "param4"} ("unset": installed with ``LoCoConfig()``, bits None;
+    "param*": ``--loco-param-bits`` alone); ``build_kwargs`` go to
     :func:`build_gpt` (e.g. ``use_distributed_optimizer=False``); ``param_sync=False`` turns
     DDP's forward pre-hook (the overlapped parameter all-gather) off after building, for
     ``overlap_param_gather`` without a distributed or layer-wise optimizer to feed it."""
@@ -203,9 +204,11 @@ def train(mode: str, overlap: bool, steps: int = 20, bucket_size: int = 20000,
 
     state = None
     if mode != "stock":
-        bits = {"unset": None, "bits16": 16, "loco4": 4, "loco8": 8}[mode]
-        state = loco_megatron.install(loco_megatron.LoCoConfig(bits=bits, block_size=block_size,
-                                                               start_iter=start_iter))
+        bits = {"unset": None, "bits16": 16, "loco4": 4, "loco8": 8, "param16": None,
+                "param4": None}[mode]
+        param_bits = {"param16": 16, "param4": 4}.get(mode)
+        state = loco_megatron.install(loco_megatron.LoCoConfig(
+            bits=bits, block_size=block_size, start_iter=start_iter, param_bits=param_bits))
     checker = ShardChecker(state) if state is not None and state.active else None
     try:
         model, opt = build_gpt(overlap, bucket_size, **build_kwargs)

@@ -12,10 +12,9 @@ MODES = {"stock": {}, "param16": dict(param_bits=16), "unset": {},
          "both4": dict(bits=4, param_bits=4)}
 
 
-def replicas_identical(model, group) -> bool:
-    """Every parameter of ``model`` bit-identical on all ranks of ``group`` (checksums of the
-    raw bytes, then the bytes themselves)."""
-    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in model.module.parameters()])
+def replicas_identical(params, group) -> bool:
+    """Every tensor of ``params`` bit-identical on all ranks of ``group`` (their raw bytes)."""
+    flat = torch.cat([p.detach().reshape(-1).view(torch.uint8) for p in params])
     copies = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
     dist.all_gather(copies, flat, group=group)
     return all(torch.equal(c, flat) for c in copies)
@@ -75,24 +74,28 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
                                overlap_param_gather=overlap, **build_kwargs)
         dp = ps.get_data_parallel_group()
         losses, identical, drifts, step_bytes, handed_bytes = [], [], [], [], []
+        layout_shards = [(e.layout.shard, e.layout.block_size) for e in sync.buckets.values()] \
+            if sync is not None else []
         for step in range(steps):
-            loss = forward_backward(model, opt)  # the forward waited for every gather
-            identical.append(replicas_identical(model, dp))
-            if sync is not None and step:
-                drifts.append(drift_ratio(opt, sync))
             before = sync.stats.bytes_sent if sync is not None else 0
-            dist.all_gather = recording
+            dist.all_gather = recording  # what the parameter path hands the collectives
             try:
-                opt.step()
-                if not overlap:
-                    step_bytes.append((sync.stats.bytes_sent - before) if sync else 0)
+                loss = forward_backward(model, opt)
+                opt.step()  # (not overlapped: this step's gather)
+                if overlap:  # what the next forward's pre-hooks do: launch, wait, apply
+                    for group in model.bucket_groups:
+                        group.finish_param_sync(skip_next_bucket_dispatch=True)
             finally:
                 dist.all_gather = original
+            step_bytes.append((sync.stats.bytes_sent - before) if sync is not None else 0)
             handed_bytes.append(sum(handed))
             handed.clear()
             losses.append(float(loss))
+            identical.append(replicas_identical(model.module.parameters(), dp))
+            if sync is not None:
+                drifts.append(drift_ratio(opt, sync))
         model.start_param_sync(force_sync=True)  # as megatron before a save or evaluation
-        identical.append(replicas_identical(model, dp))
+        identical.append(replicas_identical(model.module.parameters(), dp))
         expected = None
         if sync is not None:
             layouts = [(e.layout, e.bucket.param_data.element_size())
@@ -105,7 +108,7 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
                 "stats": None if sync is None else (sync.stats.bytes_sent, sync.stats.stock_bytes,
                                                     sync.stats.exact_gathers, sync.stats.calls,
                                                     sync.fp32_copies),
-                "buckets": len(model.bucket_groups)}
+                "buckets": len(model.bucket_groups), "shards": layout_shards}
     finally:
         loco_megatron.uninstall()
 
@@ -115,3 +118,41 @@ def grid_worker(rank, world, tp, modes, steps, overlap, params_dtype, build_kwar
     setup(tp, "gloo")
     return {mode: train(mode, overlap, steps, params_dtype=params_dtype, **(build_kwargs or {}))
             for mode in modes}
+
+
+def moe_worker(rank, world, steps, modes=("stock", "param4", "both4")):
+    """MoE with EP 2 on ``world`` ranks (worker_moe.py's model, overlapped gradient reduce):
+    per mode, per step, dense parameters identical over the DP group and expert parameters
+    over the expert-DP group; losses; the registered buckets' group sizes."""
+    import loco_megatron
+
+    from .worker_moe import build_moe_gpt, expert_dp_group, setup_moe
+    from megatron.core import parallel_state as ps
+
+    setup_moe()
+    out = {}
+    for mode in modes:
+        state = None
+        if mode != "stock":
+            state = loco_megatron.install(loco_megatron.LoCoConfig(block_size=64, **MODES[mode]))
+        try:
+            model, opt = build_moe_gpt(True)
+            experts = {id(p) for g in model.expert_parallel_bucket_groups for b in g.buckets
+                       for p in b.params}
+            dense = [p for p in model.module.parameters() if id(p) not in experts]
+            expert = [p for p in model.module.parameters() if id(p) in experts]
+            losses, identical = [], []
+            for _ in range(steps):
+                losses.append(float(forward_backward(model, opt)))
+                opt.step()
+                identical.append((replicas_identical(dense, ps.get_data_parallel_group()),
+                                  replicas_identical(expert, expert_dp_group())))
+            sizes = sorted({e.world for e in state.param_sync.buckets.values()}) \
+                if state is not None else []
+            out[mode] = {"losses": losses, "identical": identical, "group_sizes": sizes,
+                         "expert_dp": dist.get_world_size(expert_dp_group()),
+                         "expert_buckets": sum(len(g.buckets)
+                                               for g in model.expert_parallel_bucket_groups)}
+        finally:
+            loco_megatron.uninstall()
+    return out

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .worker_megatron import ShardChecker
+from .worker_param_gather import replicas_identical
 
 VOCAB, SEQ, HIDDEN, MICRO_BATCH, MICROBATCHES = 64, 16, 32, 2, 4
 
@@ -141,7 +142,7 @@ def _shared_embedding_group(chunk):
 
 def train(mode: str, vp, overlap: bool, steps: int, check_steps=(0, 3)):
     """Build this stage's chunks and train them with megatron-core's pipeline schedule under
-    LoCo ``mode`` ("stock", "bits16", "loco4"). Returns per-step losses (last stage; None
+    LoCo ``mode`` ("stock", "bits16", "loco4", "param4", "both4"). Returns per-step losses (last stage; None
     elsewhere), final parameters (per chunk), LoCo counters, the worst shard-check ratio and
     the tied-embedding drift."""
     import loco_megatron
@@ -150,15 +151,16 @@ def train(mode: str, vp, overlap: bool, steps: int, check_steps=(0, 3)):
 
     state = None
     if mode != "stock":
-        state = loco_megatron.install(loco_megatron.LoCoConfig(
-            bits={"bits16": 16, "loco4": 4}[mode], block_size=64))
+        state = loco_megatron.install(loco_megatron.LoCoConfig(block_size=64, **{
+            "bits16": dict(bits=16), "loco4": dict(bits=4), "param4": dict(param_bits=4),
+            "both4": dict(bits=4, param_bits=4)}[mode]))
     checker = ShardChecker(state) if state is not None and state.active else None
     try:
         chunks, opt, cfg = build_chunks(vp, overlap)
         calls_at_finalize = set_sync_funcs(chunks, cfg, overlap, state)
         forward_backward = get_forward_backward_func()
         batches = _microbatches()
-        losses, worst = [], 0.0
+        losses, worst, identical = [], 0.0, []
         for step in range(steps):
             for chunk in chunks:
                 chunk.zero_grad_buffer()
@@ -173,6 +175,8 @@ def train(mode: str, vp, overlap: bool, steps: int, check_steps=(0, 3)):
                                                      summed_over=_shared_embedding_group(chunk)))
             opt.step()
             losses.append(sum(float(o["loss"]) for o in out) / len(out) if out else None)
+            identical.append(all(replicas_identical(c.module.parameters(),
+                                                    ps.get_data_parallel_group()) for c in chunks))
         params = [{n: p.detach().clone() for n, p in c.module.named_parameters()} for c in chunks]
         counters = {}
         if state is not None and state.active:
@@ -182,7 +186,7 @@ def train(mode: str, vp, overlap: bool, steps: int, check_steps=(0, 3)):
                         "calls": state.wire.calls, "compress": state.compensator.stats.calls,
                         "chunks": state.num_chunks, "buckets": state.num_buckets,
                         "calls_at_finalize": calls_at_finalize}
-        return {"losses": losses, "params": params, "counters": counters,
+        return {"losses": losses, "params": params, "counters": counters, "identical": identical,
                 "stage": ps.get_pipeline_model_parallel_rank(),
                 "shard_check": worst, "tied_drift": _tied_drift(chunks),
                 "buckets_per_chunk": [sum(len(g.buckets) for g in c.bucket_groups)

@@ -17,7 +17,8 @@ from loco_megatron.layout import BucketLayout
 
 #: a valid non-default value per field; a new field must be added here (the first test fails)
 SAMPLES = {"bits": 4, "beta": 0.5, "reset_interval": 10, "block_size": 64, "error_dtype": "fp32",
-           "start_iter": 3, "kernels": "torch", "hierarchical": True, "intra_node_bits": 8}
+           "start_iter": 3, "kernels": "torch", "hierarchical": True, "intra_node_bits": 8,
+           "param_bits": 8}
 
 
 def test_every_field_has_a_complete_registry_entry():
@@ -64,7 +65,7 @@ def test_yaml_keys_come_from_the_registry():
 def test_agreement_and_fingerprint_come_from_the_registry():
     shared = {name for name, s in SETTINGS.items() if s.shared}
     assert set(shared_settings()) == shared and "kernels" not in shared
-    assert set(agreement.SHARED_SETTINGS) == shared - {"bits"}
+    assert set(agreement.SHARED_SETTINGS) == shared - {"bits", "param_bits"}
     config = LoCoConfig(bits=4, block_size=64)
     layout = BucketLayout.build(256, 2, 64)
     described = agreement.describe(config, (0, 0, 0), layout, torch.zeros(256))

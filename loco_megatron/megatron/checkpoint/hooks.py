@@ -12,7 +12,10 @@ calls:
 ``ChainedOptimizer.save_parameter_state`` / ``load_``       the same, for several optimizers
 ==========================================================  =====================================
 
-With LoCo off (``--loco-bits 16/32``) only the load side runs, to warn that a checkpoint's LoCo
+Every optimizer load also tells the ``--loco-param-bits`` path to resynchronise the replicas'
+parameters exactly before its next weight difference
+(:mod:`loco_megatron.megatron.param_sync`). With LoCo off (``--loco-bits 16/32``) only the
+load side runs, to warn that a checkpoint's LoCo
 state is ignored; nothing is saved and training is untouched.
 """
 
@@ -47,11 +50,20 @@ def _wrap_load_state_dict(orig, state):
             entry = state_dict["loco"]
             state_dict = {k: v for k, v in state_dict.items() if k != "loco"}
         result = orig(self, state_dict)
+        _parameters_loaded(state)
         view = OptimizerLoCo(self, state)
         if entry is not None:
             dist_format.load_entry(view, entry)
         return result
     return load_state_dict
+
+
+def _parameters_loaded(state) -> None:
+    """An optimizer load (main parameters, with the model's): with ``--loco-param-bits`` the
+    next parameter all-gather first resynchronises the replicas' parameters exactly
+    (:meth:`~loco_megatron.megatron.param_sync.ParamSync.invalidate`)."""
+    if getattr(state, "param_sync", None) is not None:
+        state.param_sync.invalidate()
 
 
 def _distributed_optimizers(optimizer):
@@ -77,6 +89,7 @@ def _wrap_load_parameter_state(orig, state, chained: bool):
     def load_parameter_state(self, filename, *args, **kwargs):
         with agree.load_round():  # every rank: one decision (checkpoint.agree)
             result = orig(self, filename, *args, **kwargs)
+            _parameters_loaded(state)
             if chained and len(self.chained_optimizers) == 1:
                 return result
             first_error = None

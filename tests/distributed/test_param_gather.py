@@ -1,0 +1,160 @@
+"""``--loco-param-bits``: the distributed optimizer's parameter all-gather as 4/8-bit weight
+differences, inside megatron-core GPTModel + DDP + DistributedOptimizer on CPU ranks.
+
+Every step: the model parameters are bit-identical across the DP replicas (their raw bytes
+compared), TP-replicated parameters identical across TP ranks, ``|main - held|`` within half a
+quantization step + half an ulp (ratio <= 1), the bytes sent equal the formula and what the
+collectives were handed; unset or at 16 bits it is stock megatron-core bit for bit.
+"""
+
+import pytest
+import torch
+
+import loco_megatron
+from loco_megatron.config import LoCoConfig, LoCoConfigError
+from loco_megatron.megatron import compat, plugin
+
+from .worker_param_gather import grid_worker
+
+
+def _check_compressed(res, steps, world, bound_steps=None):
+    """The assertions every compressed run shares."""
+    assert all(res["identical"]), res["identical"]  # every step and after the final sync
+    assert len(res["identical"]) == steps + 1
+    assert res["tp_drift"] == 0.0
+    drifts = res["drift"][:bound_steps]
+    assert len(drifts) == min(steps, bound_steps or steps) and max(drifts) <= 1.0, drifts
+    loco, stock = res["expected"]
+    assert 0 < loco < 0.3 * stock
+    # the first step also re-gathers `held` exactly (stock bytes), then only differences
+    assert res["step_bytes"][0] == loco + stock
+    assert res["step_bytes"][1:] == [loco] * (steps - 1)
+    assert all(h * (world - 1) == loco for h in res["handed"][1:])  # what all_gather was handed
+    sent, stock_total, exact, calls, _ = res["stats"]
+    assert sent == stock + steps * loco and stock_total == (steps + 1) * stock
+    assert exact == len(res["shards"])  # one exact all-gather per bucket, at the start
+
+
+def _same(a, b):
+    assert a["losses"] == b["losses"]
+    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+
+
+def test_tp1_dp2_fp32_50_steps_and_off_is_stock(run_ranks):
+    """Overlap off, fp32 parameters (LoCo's own fp32 main copy), 50 steps: replicas identical
+    and the bound holds at every step (it does not accumulate); unset / 16 bits = stock."""
+    steps = 50
+    results = run_ranks(grid_worker, 2, 1, ("stock", "unset", "param16", "param4"), steps,
+                        False, torch.float32)
+    for res in results:
+        _same(res["stock"], res["unset"])
+        _same(res["stock"], res["param16"])
+        p4 = res["param4"]
+        _check_compressed(p4, steps, 2)
+        assert p4["stats"][4] > 0  # fp32 main-parameter copies were made
+        assert p4["losses"] != res["stock"]["losses"]  # it really compressed
+        assert abs(p4["losses"][-1] - res["stock"]["losses"][-1]) < 0.01 * res["stock"]["losses"][0]
+
+
+def test_tp1_dp2_bf16_overlapped_several_buckets(run_ranks):
+    """Overlapped gradient reduce and parameter gather (several buckets, megatron's coalescing
+    manager): the handle megatron waits on applies the differences."""
+    steps = 12
+    results = run_ranks(grid_worker, 2, 1, ("stock", "param16", "param4", "both4"), steps, True,
+                        torch.bfloat16, {"bucket_size": 6000})
+    for res in results:
+        _same(res["stock"], res["param16"])
+        for mode in ("param4", "both4"):
+            assert res[mode]["buckets"] > 1
+            _check_compressed(res[mode], steps, 2)
+            assert res[mode]["stats"][4] == 0  # bf16: megatron's fp32 main copy is used
+            assert abs(res[mode]["losses"][-1] - res["stock"]["losses"][-1]) < 0.01 * res[
+                "stock"]["losses"][0]
+
+
+def test_tp2_dp2_overlapped_bf16(run_ranks):
+    """TP 2 x DP 2: DP replicas identical, TP-replicated parameters identical on both TP ranks
+    (blocks cut at parameter boundaries)."""
+    steps = 6
+    for res in run_ranks(grid_worker, 4, 2, ("param4", "both4"), steps, True, torch.bfloat16):
+        for mode in ("param4", "both4"):
+            _check_compressed(res[mode], steps, 2)
+
+
+def test_dp3_shards_not_multiples_of_the_block(run_ranks):
+    """DP 3: shards are not whole blocks (padded chunks on the wire, equal all-gather sizes)."""
+    steps = 6
+    for res in run_ranks(grid_worker, 3, 1, ("param8", "param4"), steps, False, torch.float32):
+        for mode in ("param8", "param4"):
+            assert any(shard % block for shard, block in res[mode]["shards"])
+            _check_compressed(res[mode], steps, 3)
+
+
+@pytest.fixture
+def _clean():
+    loco_megatron.uninstall()
+    module = compat.param_and_grad_buffer_module()
+    saved = module.dist_all_gather_func
+    yield module
+    module.dist_all_gather_func = saved
+    loco_megatron.uninstall()
+
+
+def test_replaced_all_gather_refused_at_install(_clean):
+    def mock_all_gather(*args, **kwargs):
+        raise AssertionError("not to be called")
+
+    _clean.dist_all_gather_func = mock_all_gather
+    with pytest.raises(LoCoConfigError, match="mock_all_gather.*--loco-param-bits"):
+        loco_megatron.install(LoCoConfig(param_bits=4))
+    assert plugin.get_state() is None
+    loco_megatron.install(LoCoConfig(bits=4))  # the gradient path alone does not need it
+
+
+def test_refusals_name_the_flag():
+    from types import SimpleNamespace
+
+    from loco_megatron.megatron.param_sync import check_ddp_config
+
+    base = dict(use_distributed_optimizer=True)
+    for extra, what in ((dict(use_distributed_optimizer=False), "--use-distributed-optimizer"),
+                        (dict(use_megatron_fsdp=True), "FSDP"),
+                        (dict(fp8_param_gather=True), "--fp8-param-gather"),
+                        (dict(reuse_grad_buf_for_mxfp8_param_ag=True), "mxfp8")):
+        with pytest.raises(LoCoConfigError, match=f"--loco-param-bits.*{what}|{what}.*"):
+            check_ddp_config(SimpleNamespace(**{**base, **extra}), 2)
+        check_ddp_config(SimpleNamespace(**{**base, **extra}), 1)  # DP 1: nothing to refuse
+    with pytest.raises(LoCoConfigError, match="--loco-param-bits 3"):
+        LoCoConfig(param_bits=3)
+
+
+def test_pipeline_pp2_dp2(run_ranks):
+    """PP 2 x DP 2, 1F1B and interleaved (2 virtual chunks, one of them unbucketed): every
+    stage's replicas identical every step, tied embeddings identical across the stages."""
+    from .worker_pipeline import pipeline_worker
+
+    steps, cases = 6, ((None, False), (2, True))
+    for per_case in run_ranks(pipeline_worker, 4, cases, ("stock", "param4", "both4"), steps):
+        for case, res in per_case.items():
+            for mode in ("param4", "both4"):
+                assert res[mode]["identical"] == [True] * steps, (case, mode)
+                assert res[mode]["tied_drift"] == 0.0, (case, mode)
+            if res["stock"]["stage"] == 1:  # losses on the last stage
+                assert res["param4"]["losses"] != res["stock"]["losses"]
+                assert abs(res["param4"]["losses"][-1] - res["stock"]["losses"][-1]) < 0.05
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["EP2xDP1_experts", "EP2xDP2_experts"])
+def test_moe_ep2(run_ranks, world):
+    """MoE, EP 2 (overlapped gradient reduce): dense buckets over the DP group, expert buckets
+    over the expert-DP group (size 1 with 2 ranks: megatron's own path, nothing sent)."""
+    from .worker_param_gather import moe_worker
+
+    steps = 4
+    for res in run_ranks(moe_worker, world, steps):
+        for mode in ("param4", "both4"):
+            assert res[mode]["identical"] == [(True, True)] * steps, mode
+            assert res[mode]["expert_buckets"] > 0
+            expected = {world} | ({world // 2} if world // 2 > 1 else set())
+            assert set(res[mode]["group_sizes"]) == expected, res[mode]["group_sizes"]
+            assert abs(res[mode]["losses"][-1] - res["stock"]["losses"][-1]) < 0.05
