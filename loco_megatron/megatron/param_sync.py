@@ -103,14 +103,17 @@ class ParamSync:
             flat = e.bucket.param_data.view(-1)
             chunks = list(flat.split(e.layout.shard))
             dist.all_gather(chunks, e.own().clone(), group=e.group)
-            self.count_exact(e)
+            self.count_exact(e, instead_of_stock=False)
 
-    def count_exact(self, e: _Bucket) -> None:
-        """An exact all-gather of ``e``'s ``held``: counted at stock bytes; ``e`` in sync."""
+    def count_exact(self, e: _Bucket, instead_of_stock: bool) -> None:
+        """An exact all-gather of ``e``'s ``held`` (stock bytes); ``e`` is in sync from now on.
+        ``instead_of_stock``: it is the all-gather megatron-core would have made (counted in
+        the stock equivalent too), not an extra one before a difference."""
         nbytes = (e.world - 1) * e.layout.shard * e.bucket.param_data.element_size()
         self.stats.exact_gathers += 1
         self.stats.bytes_sent += nbytes
-        self.stats.stock_bytes += nbytes
+        if instead_of_stock:
+            self.stats.stock_bytes += nbytes
         self.synced.add(e.bucket.loco_key)
 
     def encode(self, e: _Bucket, new: torch.Tensor, held: torch.Tensor) -> None:
@@ -280,7 +283,7 @@ def _wrap_start_param_sync(orig, state):
             if e is None:
                 return stock(output, input, group=group, async_op=async_op)
             if bucket.loco_key not in sync.synced:  # not stepped under LoCo yet: exact
-                sync.count_exact(e)
+                sync.count_exact(e, instead_of_stock=True)
                 return stock(output, input, group=group, async_op=async_op)
             work = sync.gather(e, async_op)
             works.append(work)

@@ -1,5 +1,6 @@
 """The prediction: per variant (stock fp32/bf16 reduce-scatter, LoCo flat and hierarchical at 4
-and 8 bits) the gradient bytes, communication and kernel time, exposed time, step time, the
+and 8 bits, and with the parameter all-gather as weight differences, ``--loco-param-bits``) the
+gradient and parameter bytes, communication and kernel time, exposed time, step time, the
 step-time ratio to stock, and LoCo's extra memory. docs/planner.md states the model and its
 limits.
 
@@ -15,6 +16,7 @@ megatron waits for it, so both are added, not hidden.
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+from ..accounting import param_gather_bytes_per_step
 from .buckets import Bucket, bucket_bytes, default_bucket_size, gpu_buckets
 from .cluster import ClusterSpec, GroupSpread, ParallelSpec
 from .costs import (alltoall_time, exposed_after_window, exposed_before_use, forward_needs,
@@ -22,11 +24,17 @@ from .costs import (alltoall_time, exposed_after_window, exposed_before_use, for
 from .errors import PlannerError
 from .model import ModelSpec
 
-#: (name, bits, hierarchical, intra-node bits); "stock" rows use the grad dtype in the name
-VARIANTS = (("stock fp32", None, False, None), ("stock bf16", None, False, None),
-            ("LoCo 4-bit flat", 4, False, None), ("LoCo 8-bit flat", 8, False, None),
-            ("LoCo 4-bit hier. intra 16", 4, True, 16), ("LoCo 4-bit hier. intra 8", 4, True, 8),
-            ("LoCo 8-bit hier. intra 16", 8, True, 16), ("LoCo 8-bit hier. intra 8", 8, True, 8))
+#: (name, bits, hierarchical, intra-node bits, parameter all-gather bits); "stock" rows use the
+#: grad dtype in the name; "+ param N-bit": ``--loco-param-bits N`` (weight differences)
+VARIANTS = (("stock fp32", None, False, None, None), ("stock bf16", None, False, None, None),
+            ("LoCo 4-bit flat", 4, False, None, None), ("LoCo 8-bit flat", 8, False, None, None),
+            ("LoCo 4-bit hier. intra 16", 4, True, 16, None),
+            ("LoCo 4-bit hier. intra 8", 4, True, 8, None),
+            ("LoCo 8-bit hier. intra 16", 8, True, 16, None),
+            ("LoCo 8-bit hier. intra 8", 8, True, 8, None),
+            ("LoCo 4-bit flat + param 4-bit", 4, False, None, 4),
+            ("LoCo 8-bit flat + param 8-bit", 8, False, None, 8),
+            ("LoCo 4-bit hier. intra 8 + param 4-bit", 4, True, 8, 4))
 
 
 @dataclass
@@ -110,9 +118,28 @@ def _bottleneck_stage(model: ModelSpec, par: ParallelSpec):
     return stages[i], lists[i]
 
 
-def _variant(name, bits, hier, intra, buckets: List[Bucket], ar: Optional[GroupSpread],
-             c: ClusterSpec, opt: PlanOptions, bwd_s: float, fwd_s: float, ag: List[float]):
+def param_gather(buckets: List[Bucket], c: ClusterSpec, opt: PlanOptions,
+                 param_bits: Optional[int]):
+    """Per bucket, the parameter all-gather's ring time and bytes sent per GPU: stock
+    (``param_elem`` bytes per element) or, with ``param_bits``, weight differences
+    (:func:`loco_megatron.accounting.param_gather_bytes_per_step`, exact)."""
+    times, sent = [], 0
+    for b in buckets:
+        if param_bits and b.group.size > 1:
+            nbytes = param_gather_bytes_per_step(param_bits,
+                                                 [(b.layout(opt.block_size), opt.param_elem)])[0]
+        else:
+            nbytes = (b.group.size - 1) * (b.numel // b.group.size) * opt.param_elem
+        times.append(ring_collective(b.group, c, nbytes))
+        sent += nbytes
+    return times, sent
+
+
+def _variant(name, bits, hier, intra, param_bits, buckets: List[Bucket],
+             ar: Optional[GroupSpread], c: ClusterSpec, opt: PlanOptions, bwd_s: float,
+             fwd_s: float):
     elem = opt.grad_elem if bits else (4 if name.endswith("fp32") else 2)
+    ag, ag_sent = param_gather(buckets, c, opt, param_bits)
     comm, kern_c, kern_d, sent, intra_b, inter_b, error, wire = [], [], [], 0, 0, 0, 0, []
     cross = 0.0  # bytes per GPU that leave its node (its share of the node boundary's load)
     for b in buckets:
@@ -165,7 +192,11 @@ def _variant(name, bits, hier, intra, buckets: List[Bucket], ar: Optional[GroupS
         ag_exposed = exposed_before_use([n for n, _ in order], [t for _, t in order])
     else:
         ag_exposed = sum(ag)
+    copies = (sum(b.numel // b.group.size for b in buckets if b.group.size > 1) * 4
+              if param_bits and opt.param_elem == 4 else 0)
     return {"name": name, "bits": bits, "hierarchical": hier, "intra_node_bits": intra,
+            "param_bits": param_bits, "param_bytes_sent": ag_sent,
+            "param_fp32_copy_bytes": copies,
             "grad_elem_bytes": elem, "grad_bytes_sent": sent, "intra_node_bytes": intra_b,
             "inter_node_bytes": inter_b, "cross_node_bytes_per_gpu": cross,
             "grad_comm_ms": 1e3 * sum(comm),
@@ -197,9 +228,7 @@ def plan(model: ModelSpec, par: ParallelSpec, c: ClusterSpec, opt: PlanOptions) 
     compute = compute_seconds(model, par, opt)
     bwd = compute * opt.backward_fraction / micro
     fwd = compute * (1 - opt.backward_fraction) / micro
-    ag = [ring_collective(b.group, c, (b.group.size - 1) * (b.numel // b.group.size)
-                          * opt.param_elem) for b in buckets]
-    rows = [_variant(*v, buckets, ar, c, opt, bwd, fwd, ag) for v in VARIANTS]
+    rows = [_variant(*v, buckets, ar, c, opt, bwd, fwd) for v in VARIANTS]
     ref = rows[0] if opt.grad_elem == 4 else rows[1]
     for r in rows:
         r["step_ms"] = 1e3 * compute + r["step_exposed_comm_ms"]

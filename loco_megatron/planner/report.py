@@ -81,8 +81,8 @@ def header_lines(p: Dict) -> List[str]:
 
 
 COLUMNS = ("variant", "grad bytes/GPU/step", "of which leave the node", "grad comm ms",
-           "comp+decomp ms", "exposed grad ms", "exposed param AG ms", "step ms", "ratio to stock",
-           "LoCo memory/GPU")
+           "comp+decomp ms", "exposed grad ms", "param AG bytes/GPU/step", "exposed param AG ms",
+           "step ms", "ratio to stock", "LoCo memory/GPU")
 
 
 def rows(p: Dict) -> List[List[str]]:
@@ -94,12 +94,15 @@ def rows(p: Dict) -> List[List[str]]:
             mem = fmt_bytes(v["error_buffer_bytes"]) + " err"
             if v["transient_wire_bytes_largest_bucket"]:
                 mem += f" + {fmt_bytes(v['transient_wire_bytes_largest_bucket'])} wire"
+            if v.get("param_fp32_copy_bytes"):
+                mem += f" + {fmt_bytes(v['param_fp32_copy_bytes'])} fp32 main"
         ref = " (ref)" if v["name"] == p["stock_reference"] else ""
         out.append([v["name"] + ref, fmt_bytes(v["grad_bytes_sent"]),
                     fmt_bytes(v["cross_node_bytes_per_gpu"]),
                     f"{v['grad_comm_ms']:.1f}",
                     f"{v['compress_ms'] + v['decompress_ms']:.1f}",
-                    f"{v['grad_exposed_ms']:.1f}", f"{v['param_all_gather_exposed_ms']:.1f}",
+                    f"{v['grad_exposed_ms']:.1f}", fmt_bytes(v["param_bytes_sent"]),
+                    f"{v['param_all_gather_exposed_ms']:.1f}",
                     f"{v['step_ms']:.1f}", f"{v['ratio_to_stock']:.3f}", mem])
     return out
 
@@ -118,8 +121,10 @@ def table(p: Dict) -> str:
               "node: this GPU's share of what crosses its node boundary (a ring crosses it "
               "once per node, shared by the group's GPUs there). "
               "grad comm: all buckets' collectives back to back; exposed: what overlap does "
-              "not hide. LoCo memory: error buffers + the largest bucket's send/receive "
-              "buffers. All times are predictions (alpha-beta model, docs/planner.md).",
+              "not hide. param AG: the distributed optimizer's parameter all-gather ("
+              "\"+ param N-bit\": --loco-param-bits N, weight differences). LoCo memory: error "
+              "buffers + the largest bucket's send/receive buffers (+ fp32 main copies of fp32 "
+              "parameters with --loco-param-bits). All times are predictions (alpha-beta model, docs/planner.md).",
               headline(p)]
     return "\n".join(lines)
 

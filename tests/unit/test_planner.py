@@ -182,7 +182,7 @@ def test_cli_prints_table_and_json(capsys):
     assert "LoCo 4-bit flat" in out and "expert DP 2" in out and "ratio to stock" in out
     assert main(args + ["--json"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["expert_dp"] == 2 and p["dp"] == 16 and len(p["variants"]) == 8
+    assert p["expert_dp"] == 2 and p["dp"] == 16 and len(p["variants"]) == 11
 
 
 def test_data_parallel_size_one_changes_nothing(capsys):
@@ -260,10 +260,10 @@ def test_readme_examples_are_real_runs(capsys):
         head = out[-1].split("; the step is")[0]
         assert head in section, head
         rows = [r for r in out if r.startswith(("stock fp32 (ref)", "LoCo 4-bit flat"))]
-        assert len(rows) == 2
+        assert len(rows) == 3  # also "LoCo 4-bit flat + param 4-bit"
         for row in rows if i < 2 else []:
             cells = [c.strip() for c in row.split("  ") if c.strip()]
-            assert f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[8]} | {cells[9]} |" \
+            assert f"| {cells[0]} | {cells[1]} | {cells[2]} | {cells[9]} | {cells[10]} |" \
                 in section, row
 
 
@@ -301,3 +301,28 @@ def test_config_block_size_in_either_spelling(capsys, tmp_path):
     assert main(["plan", "--config", str(path), "--nodes", "2", "--gpus-per-node", "1",
                  "--loco-block-size", "131072"]) == 2
     assert "--loco-block-size 131072 must be an even integer" in capsys.readouterr().err
+
+
+def test_parameter_all_gather_rows_count_exact_bytes(capsys):
+    """The "+ param N-bit" rows send the weight differences' bytes in the parameter all-gather
+    ((DP-1) x (bits x P / 8 + 4 x P / block) per bucket, P the padded shard), the others the
+    parameters' bytes; the gradient side equals the row without "+ param"."""
+    from loco_megatron.planner.buckets import Bucket
+    from loco_megatron.planner.cluster import GroupSpread
+    from loco_megatron.planner.predict import PlanOptions, param_gather
+
+    assert main(["plan", "--config", str(REPO / "configs/llama2_7b.yaml"), "--nodes", "2",
+                 "--gpus-per-node", "8", "--json"]) == 0
+    rows = {v["name"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
+    plain, both = rows["LoCo 4-bit flat"], rows["LoCo 4-bit flat + param 4-bit"]
+    assert plain["grad_bytes_sent"] == both["grad_bytes_sent"]
+    assert plain["param_bytes_sent"] == rows["stock fp32"]["param_bytes_sent"]
+    assert both["param_bits"] == 4 and both["param_bytes_sent"] < 0.3 * plain["param_bytes_sent"]
+    assert both["step_ms"] < plain["step_ms"] and both["param_fp32_copy_bytes"] == 0
+    # one bucket by hand: 3 ranks x 700 elements, parameters cut at 123 and 1000, block 64
+    bucket = Bucket(2100, ((0, 123), (123, 1000), (1000, 2100)), False, 1.0, GroupSpread(3, 1, 3))
+    cluster = ClusterSpec(nodes=1, gpus_per_node=3)
+    opt = PlanOptions(block_size=64, param_elem=2)
+    padded = max(sum(-(-n // 64) * 64 for n in seg) for seg in ([123, 577], [300, 400], [700]))
+    assert param_gather([bucket], cluster, opt, 4)[1] == 2 * (4 * padded // 8 + 4 * padded // 64)
+    assert param_gather([bucket], cluster, opt, None)[1] == 2 * 700 * 2
