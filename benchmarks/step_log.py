@@ -3,7 +3,8 @@
 Megatron prints (last rank) one iteration line per ``--log-interval`` step, then with
 ``--timing-log-level >= 1`` a block ``INFO:megatron.core.timers:(min, max) time across ranks
 (ms):`` of ``    name ....: (min, max)`` lines for that step; LoCo adds ``loco wire bytes per
-step: N`` to the iteration line and ``loco-*`` timers to the block (docs/telemetry.md). Ranks
+step: N`` (and with ``--loco-param-bits`` ``loco param-gather bytes per step: N``) to the
+iteration line and ``loco-*`` timers to the block (docs/telemetry.md). Ranks
 share one pipe, so matching is unanchored: another rank's output may follow a line's last ``|``.
 """
 
@@ -15,9 +16,10 @@ from typing import Dict, List, Optional, Tuple
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|.*?"
                        r"elapsed time per iteration \(ms\): ([\d.]+)")
 LOCO_BYTES = re.compile(r"loco wire bytes per step: (\d+)")
+PARAM_BYTES = re.compile(r"loco param-gather bytes per step: (\d+)")
 TIMER = re.compile(r"^\s+([\w./-]+) \.+: \(([\d.]+), ([\d.]+)\)")
-STARTUP_BYTES = re.compile(r"> LoCo: model chunk \d+: .*?(\d+) bytes/step per rank on the wire "
-                           r"vs (\d+) stock")
+STARTUP_BYTES = re.compile(r"> LoCo: model chunk \d+: (?!parameter).*?(\d+) bytes/step per rank "
+                           r"on the wire vs (\d+) stock")
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Step:
     ms: float
     timers: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     loco_bytes: Optional[int] = None
+    param_bytes: Optional[int] = None
 
 
 class LogParser:
@@ -48,8 +51,9 @@ class LogParser:
         """Parse one line; returns the iteration number when it is an iteration line."""
         m = ITERATION.search(line)
         if m:
-            b = LOCO_BYTES.search(line)
-            self._last = Step(int(m[1]), float(m[3]), loco_bytes=int(b[1]) if b else None)
+            b, pb = LOCO_BYTES.search(line), PARAM_BYTES.search(line)
+            self._last = Step(int(m[1]), float(m[3]), loco_bytes=int(b[1]) if b else None,
+                              param_bytes=int(pb[1]) if pb else None)
             self.steps[self._last.iteration] = self._last
             return self._last.iteration
         m = TIMER.search(line)
@@ -97,4 +101,7 @@ def summarize(steps: List[Step], timers=("all-grads-sync", "params-all-gather",
     loco = [s.loco_bytes for s in steps if s.loco_bytes is not None]
     if loco:
         out["loco_wire_bytes_per_step"] = max(loco)
+    param = [s.param_bytes for s in steps if s.param_bytes is not None]
+    if param:
+        out["param_gather_bytes_per_step"] = max(param)
     return out

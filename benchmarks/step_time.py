@@ -1,4 +1,5 @@
-"""Section step_time: end-to-end Megatron step time, stock megatron-core vs LoCo 4-bit, over an
+"""Section step_time: end-to-end Megatron step time, stock megatron-core vs LoCo 4-bit (and LoCo
+4-bit with the parameter all-gather as 4-bit weight differences, ``--loco-param-bits 4``), over an
 emulated slow link between two "nodes" (network namespaces + veth + ``tc tbf``; netns.py).
 
 Each run is Megatron's real training loop (``loco_megatron.training.pretrain_gpt``, CPU ranks, gloo)
@@ -6,8 +7,8 @@ started by ``torch.distributed.run`` in both namespaces (``--nnodes 2``, ``--npr
 DP/2, master = namespace 0's veth address, ``GLOO_SOCKET_IFNAME`` = the namespace's veth end).
 One run measures every rate: after its warm-up it measures ``measure`` iterations at the first
 rate, then the link is re-shaped (``tc qdisc replace``) when the last of them is logged, one
-transition iteration is dropped, and the next rate is measured. Stock (``--loco-bits 16``) and
-LoCo (``--loco-bits 4``) runs use the same model, data, seed and schedule. Everything that sizes
+transition iteration is dropped, and the next rate is measured. The runs of every mode
+(:data:`MODES`) use the same model, data, seed and schedule. Everything that sizes
 the section is in :data:`CONFIG`.
 """
 
@@ -25,7 +26,9 @@ from .report import Section
 from .step_log import LogParser, summarize
 
 REPO = Path(__file__).resolve().parent.parent
-MODES = (("stock", 16), ("loco4", 4))  # (name, --loco-bits)
+#: (name, LoCo flags) of each run per DP size
+MODES = (("stock", ("--loco-bits", "16")), ("loco4", ("--loco-bits", "4")),
+         ("loco4+param4", ("--loco-bits", "4", "--loco-param-bits", "4")))
 CONFIG = {
     # section_budget_s: hard cap on the training runs (a run gets what is left; later runs are
     # skipped), run_timeout_s: cap per run. Each run costs ~45-60 s of Megatron start-up here.
@@ -33,11 +36,11 @@ CONFIG = {
     # the fp32 one here), which would make the step compute-bound; `bf16=True` is available
     # (bf16 parameters all-gathered in bf16, fp32 gradient reduce-scatter).
     "full": dict(rates=("1gbit", "10gbit"), dp=(2, 4), warmup=2, measure=6, run_timeout_s=300,
-                 section_budget_s=660,
+                 section_budget_s=1000,
                  model=dict(num_layers=1, hidden_size=1024, num_attention_heads=8, seq_length=8,
                             micro_batch_size=1, bf16=False)),
     "quick": dict(rates=("1gbit", "10gbit"), dp=(2,), warmup=2, measure=3, run_timeout_s=150,
-                  section_budget_s=180,
+                  section_budget_s=270,
                   model=dict(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=8,
                              micro_batch_size=1, bf16=False)),
 }
@@ -61,7 +64,7 @@ def schedule(cfg: Dict) -> Tuple[int, List[Tuple[str, List[int]]]]:
     return it, segments
 
 
-def megatron_args(cfg: Dict, dp: int, bits: int, train_iters: int,
+def megatron_args(cfg: Dict, dp: int, loco_flags, train_iters: int,
                   data: List[str]) -> List[str]:
     """Megatron-LM flags of one run (model, ``data`` flags, logging; no checkpoints, no
     evaluation)."""
@@ -75,7 +78,7 @@ def megatron_args(cfg: Dict, dp: int, bits: int, train_iters: int,
         "--train-iters", str(train_iters), "--split", "98,1,1", "--lr", "1e-4", "--seed", "1234",
         "--use-distributed-optimizer", "--log-interval", "1", "--timing-log-level", "2",
         "--eval-interval", "1000000", "--eval-iters", "0",
-        *data, "--loco-bits", str(bits)] + (
+        *data, *loco_flags] + (
         ["--bf16"] if m.get("bf16") else [])
 
 
@@ -91,7 +94,7 @@ def _veth_tx(pid: int, dev: str) -> Optional[int]:
     return None
 
 
-def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: List[str],
+def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, mode: str, data: List[str],
               port: int, log_dir: Path, timeout_s: float) -> Dict:
     """One Megatron run over ``link``, re-shaping it per :func:`schedule`; returns its figures.
 
@@ -102,8 +105,8 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, bits: int, data: Li
     switch_after = {its[-1]: segments[i + 1][0] for i, (_, its) in enumerate(segments[:-1])}
     link.set_rate(segments[0][0])
     parser, tx, procs = LogParser(), {}, []
-    args = megatron_args(cfg, dp, bits, train_iters, data)
-    tag = f"dp{dp}-bits{bits}"
+    args = megatron_args(cfg, dp, dict(MODES)[mode], train_iters, data)
+    tag = f"dp{dp}-{mode}"
     for node in range(2):
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=link.dev[node],
                    CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
@@ -213,20 +216,20 @@ def run(quick: bool, workdir: Path) -> Section:
         port, end = 29600 + os.getpid() % 200, time.monotonic() + cfg["section_budget_s"]
         load[0] = os.getloadavg()[0]
         for dp in cfg["dp"]:
-            for mode, bits in MODES:
+            for mode, _ in MODES:
                 left = min(cfg["run_timeout_s"], end - time.monotonic())
                 if left < 30:
                     runs[f"dp{dp}-{mode}"] = {"error": "not run: section time budget "
                                               f"({cfg['section_budget_s']} s) spent"}
                     continue
                 print(f"step_time: DP={dp} {mode} ...", file=sys.stderr, flush=True)
-                runs[f"dp{dp}-{mode}"] = train_run(link, cfg, dp, bits, data, port, log_dir,
+                runs[f"dp{dp}-{mode}"] = train_run(link, cfg, dp, mode, data, port, log_dir,
                                                    left)
                 port += 1
         load[1] = os.getloadavg()[0]
     finally:
         link.close()
-    sec.data = {"config": cfg, "modes": dict(MODES), "rate_check_bytes_per_s": rate_check,
+    sec.data = {"config": cfg, "modes": {m: list(f) for m, f in MODES}, "rate_check_bytes_per_s": rate_check,
                 "load_average_1min_start_end": load, "cpu_count": os.cpu_count(),
                 "runs": runs, "logs": str(log_dir)}
     sec.markdown = _markdown(cfg, rate_check, runs, load)
@@ -255,12 +258,15 @@ def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
         f"vary (per-iteration times are in `data`).", "",
         "| rate | DP | stock ms/step | LoCo ms/step | speedup (stock/LoCo) | grad-sync share "
         "stock | grad-sync share LoCo (wire part) | grad bytes/step/rank stock vs LoCo "
-        "| link bytes/step (ns0→ns1) stock vs LoCo | param all-gather share stock / LoCo |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "| link bytes/step (ns0→ns1) stock vs LoCo | param all-gather share stock / LoCo "
+        "| LoCo + param 4-bit ms/step | speedup (stock/LoCo+param) | its param all-gather share "
+        "| its param bytes/step/rank | its link bytes/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for dp in cfg["dp"]:
         st, lo = runs.get(f"dp{dp}-stock", {}), runs.get(f"dp{dp}-loco4", {})
-        for r in (st, lo):
+        lp = runs.get(f"dp{dp}-loco4+param4", {})
+        for r in (st, lo, lp):
             if r.get("error"):
                 cause = [ln for ln in r.get("node0_log", []) + r.get("node1_log", [])
                          if ln.startswith("error:")][:1]
@@ -268,9 +274,11 @@ def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
                              + (f": `{cause[0]}`" if cause else ""))
         sb = (lo.get("startup_bytes") or (None, None))
         for rate in cfg["rates"]:
-            s, c = st.get(rate, {}), lo.get(rate, {})
-            sms, cms = s.get("step_ms_median"), c.get("step_ms_median")
+            s, c, q = st.get(rate, {}), lo.get(rate, {}), lp.get(rate, {})
+            sms, cms, qms = (s.get("step_ms_median"), c.get("step_ms_median"),
+                             q.get("step_ms_median"))
             speed = f"{sms / cms:.2f}x" if sms and cms else "?"
+            qspeed = f"{sms / qms:.2f}x" if sms and qms else "?"
             lines.append(
                 f"| {rate} | {dp} | {_ms(sms)} | {_ms(cms)} | {speed} "
                 f"| {_pct(s.get('grad_sync_share'))} | {_pct(c.get('grad_sync_share'))} "
@@ -279,7 +287,10 @@ def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
                 f"| {_fmt_bytes(s.get('link_tx_bytes_per_step'))} vs "
                 f"{_fmt_bytes(c.get('link_tx_bytes_per_step'))} "
                 f"| {_pct(s.get('params_all_gather_share'))} / "
-                f"{_pct(c.get('params_all_gather_share'))} |")
+                f"{_pct(c.get('params_all_gather_share'))} "
+                f"| {_ms(qms)} | {qspeed} | {_pct(q.get('params_all_gather_share'))} "
+                f"| {_fmt_bytes(q.get('param_gather_bytes_per_step'))} "
+                f"| {_fmt_bytes(q.get('link_tx_bytes_per_step'))} |")
             link = s.get("link_tx_bytes_per_step")
             if dp == 2 and link and sb[1]:  # ns0 -> ns1 = rank 0's sends: RS + AG
                 notes.append(f"{rate}, DP=2: stock sent {link / 2 ** 20:.1f} MiB/step over the "
@@ -289,8 +300,9 @@ def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
               "finish_grad_sync, i.e. the whole reduce-scatter, for LoCo including compression "
               "and decompression) / step time; the wire part is LoCo's `loco-comm` timer (min "
               "over ranks: the blocking all-to-all's transfer, without waiting for a slower "
-              "rank's compression). Param all-gather: `params-all-gather` (fp32, not compressed "
-              "by LoCo, the same in both). Grad bytes: exact "
+              "rank's compression). Param all-gather: `params-all-gather` (fp32; the same in stock "
+              "and LoCo; with `--loco-param-bits 4` the all-gather of 4-bit weight differences "
+              "and their apply, its bytes from LoCo's telemetry). Grad bytes: exact "
               "reduce-scatter bytes per rank (stock: LoCo's start-up line; LoCo: its telemetry). "
               "Link bytes: veth counter, everything namespace 0 sent per step (both "
               "collectives, other ranks' traffic, TCP/IP headers). With 2 ranks per namespace, "

@@ -141,21 +141,25 @@ class ParamGatherStats:
     bytes_sent: int = 0
     stock_bytes: int = 0
     exact_gathers: int = 0
+    #: compute the drift after each compressed step (three fp32 passes over the shard; the
+    #: iteration line turns it on)
+    track_drift: bool = False
     drift: Optional[torch.Tensor] = field(default=None, repr=False)
     _mark: Tuple[int, int] = field(default=(0, 0), repr=False)
 
     def add_drift(self, new: torch.Tensor, held: torch.Tensor) -> None:
-        """Accumulate ``[max |new - held|, sum (new - held)^2, sum new^2, elements]`` (fp64,
-        on the device; no host sync)."""
-        r = (new - held.float()).double()
-        row = torch.stack([r.abs().max() if r.numel() else r.new_zeros(()), r.dot(r),
-                           new.double().dot(new.double()),
-                           torch.tensor(float(r.numel()), dtype=torch.float64, device=r.device)])
+        """Accumulate ``[max |new - held|, sum (new - held)^2, sum new^2, elements]`` (fp64
+        scalars from fp32 reductions, on the device; no host sync)."""
+        r = new - held.float()
+        row = torch.stack([torch.linalg.vector_norm(r, float("inf")), torch.dot(r, r),
+                           torch.dot(new, new), torch.tensor(float(r.numel()), device=r.device)]
+                          ).double() if r.numel() else torch.zeros(4, dtype=torch.float64,
+                                                                   device=r.device)
         if self.drift is None:
             self.drift = row
         else:
-            self.drift = torch.stack([torch.maximum(self.drift[0], row[0]),
-                                      *(self.drift[1:] + row[1:])])
+            self.drift = torch.cat([torch.maximum(self.drift[:1], row[:1]),
+                                    self.drift[1:] + row[1:]])
 
     def reduce(self, steps: int, group=None) -> Optional[Dict[str, float]]:
         """The window since the last call, over ``group`` (collective: every rank calls it):

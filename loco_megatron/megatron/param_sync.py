@@ -11,11 +11,12 @@ megatron/core/optimizer/distrib_optimizer.py and distributed/param_and_grad_buff
     not of the bucket), swapped into the optimizer's parameter groups and ``shard_fp32_groups``
     before any optimizer state exists; bf16/fp16 parameters already have fp32 main copies.
 ``DistributedOptimizer._copy_main_params_to_model_params``
-    runs as stock (the main parameters are cast into the owner's shard); for every bucket with
-    weight differences on, the owner then encodes ``Q(main - held)`` from the fp32 main
-    parameters and writes ``held + deQ(...)`` into its own shard, keeping the codes for the
-    all-gather. A bucket whose ``held`` may differ between replicas (the first step, any
-    checkpoint load) first gets an exact all-gather of ``held`` itself (stock bytes, once).
+    runs as stock for every parameter outside the buckets with weight differences on (their
+    entries are hidden from its group lists while it runs); for each of those buckets, one at a
+    time, the owner encodes ``Q(main - held)`` from the fp32 main parameters and adds ``deQ``
+    to its own shard in place, keeping the codes for the all-gather. A bucket whose ``held``
+    may differ between replicas (the first step, any checkpoint load) first gets an exact
+    all-gather of ``held`` itself (stock bytes, once).
 ``_ParamAndGradBucketGroup.start_param_sync``
     runs as stock, with the module global ``dist_all_gather_func`` pointing at a function that
     all-gathers the pending codes instead (outside megatron's ``_coalescing_manager``, whose
@@ -34,12 +35,16 @@ import torch
 import torch.distributed as dist
 
 from .. import kernels, weight_difference
-from ..collectives import GroupWork
+from ..collectives import GroupWork, step_timer
 from ..config import LoCoConfig, LoCoConfigError, flag
 from ..layout import BucketLayout
+from ..patching import PatchSet
 from ..weight_difference import ParamGatherStats
 from . import compat
 
+#: the patch set that hides the differenced buckets' parameters from megatron-core's own copy
+#: while it runs (``_copy_main_params_to_model_params``)
+COPY_PATCH_SET = "loco-param-copy"
 
 @dataclass
 class _Bucket:
@@ -116,21 +121,20 @@ class ParamSync:
             self.stats.stock_bytes += nbytes
         self.synced.add(e.bucket.loco_key)
 
-    def encode(self, e: _Bucket, new: torch.Tensor, held: torch.Tensor) -> None:
-        """Encode ``Q(new - held)`` of ``e``'s own shard, keep it for the all-gather and write
-        ``held + deQ`` into the own shard (its ``param_data`` slice)."""
+    def encode(self, e: _Bucket, new: torch.Tensor) -> None:
+        """Encode ``Q(new - held)`` of ``e``'s own shard (``held``: its ``param_data`` slice),
+        keep it for the all-gather and apply it to the own shard in place."""
         key = e.bucket.loco_key
         if key in self.pending:
             raise RuntimeError(
                 f"LoCo {flag('param_bits')}: bucket {key} was stepped twice without a parameter "
                 f"all-gather in between (megatron-core's start_param_sync was skipped); its "
                 f"replicas would diverge.")
-        impl, bits = self._impl(new), self.config.param_bits
-        payload, scales = weight_difference.encode(impl, new, held, e.layout, e.rank, bits)
-        own = e.own()
-        own.copy_(held)
+        impl, bits, own = self._impl(new), self.config.param_bits, e.own()
+        payload, scales = weight_difference.encode(impl, new, own, e.layout, e.rank, bits)
         weight_difference.apply(impl, own, payload, scales, e.layout, e.rank, bits)
-        self.stats.add_drift(new, own)
+        if self.stats.track_drift:
+            self.stats.add_drift(new, own)
         self.pending[key] = (payload, scales)
         self.last_scales[key] = scales
 
@@ -205,26 +209,49 @@ def _separate_fp32_main_params(opt, sync: ParamSync) -> int:
     return copied
 
 
-def main_shards(opt, entries: List[_Bucket], held: Dict[Hashable, torch.Tensor]
-                ) -> Dict[Hashable, torch.Tensor]:
-    """The fp32 main parameters of each entry's own shard, in the bucket's layout
-    (``[shard]``; elements no parameter covers: ``held``'s value), from the same maps
-    megatron-core's ``_copy_main_params_to_model_params`` uses."""
-    out = {e.bucket.loco_key: held[e.bucket.loco_key].to(torch.float32, copy=True)
-           for e in entries}
-    starts = {e.bucket.loco_key: e.rank * e.layout.shard for e in entries}
-    pairs = list(zip(opt.shard_fp32_from_float16_groups, opt.model_float16_groups)) + list(
-        zip(opt.shard_fp32_groups, opt.model_fp32_groups))
-    for shard_group, model_group in pairs:
-        for main, param in zip(shard_group, model_group):
-            gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
-            key = getattr(opt.buffers[gbuf_index].buckets[bucket_id], "loco_key", None)
-            if key not in out:
-                continue
-            world_range = opt._get_model_param_range_map(param)["gbuf_world_in_bucket"]
-            lo = world_range.start - starts[key]
-            out[key][lo:lo + main.numel()].copy_(main.detach().view(-1))
-    return out
+#: the distributed optimizer's (main shard, model parameter) group lists that
+#: ``_copy_main_params_to_model_params`` copies (megatron-core 0.13-0.19)
+GROUP_PAIRS = (("shard_fp32_from_float16_groups", "model_float16_groups"),
+               ("shard_fp32_groups", "model_fp32_groups"))
+
+
+def _split_groups(opt, keys):
+    """The optimizer's group lists without the parameters of buckets in ``keys`` (what the
+    stock copy still does), and per key ``[(main shard, offset in the rank's bucket shard)]``."""
+    kept, mains = {}, {k: [] for k in keys}
+    for shard_attr, model_attr in GROUP_PAIRS:
+        shards, models = [], []
+        for shard_group, model_group in zip(getattr(opt, shard_attr), getattr(opt, model_attr)):
+            shards.append([])
+            models.append([])
+            for main, param in zip(shard_group, model_group):
+                gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
+                key = getattr(opt.buffers[gbuf_index].buckets[bucket_id], "loco_key", None)
+                if key in mains:
+                    world_range = opt._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                    mains[key].append((main, world_range.start))
+                else:
+                    shards[-1].append(main)
+                    models[-1].append(param)
+        kept[shard_attr], kept[model_attr] = shards, models
+    return kept, mains
+
+
+def main_shard(e: _Bucket, mains) -> torch.Tensor:
+    """fp32 ``[shard]``: the main parameters of ``e``'s own shard in the bucket's layout;
+    elements no parameter covers keep ``held``'s value (difference 0). ``mains``: that bucket's
+    ``[(main shard, world offset)]`` from :func:`_split_groups`."""
+    new = e.own().to(torch.float32, copy=True)
+    base = e.rank * e.layout.shard
+    for main, start in mains:
+        new[start - base:start - base + main.numel()].copy_(main.detach().view(-1))
+    return new
+
+
+def main_shards(opt, entries: List[_Bucket]) -> Dict[Hashable, torch.Tensor]:
+    """:func:`main_shard` of each entry (for tests and telemetry: the exact ``main``)."""
+    _, mains = _split_groups(opt, {e.bucket.loco_key for e in entries})
+    return {e.bucket.loco_key: main_shard(e, mains[e.bucket.loco_key]) for e in entries}
 
 
 def _optimizer_entries(opt, sync: ParamSync) -> List[_Bucket]:
@@ -242,23 +269,23 @@ def _wrap_copy_main_params(orig, state):
     @torch.no_grad()
     def _copy_main_params_to_model_params(self, *args, **kwargs):
         sync = state.param_sync
-        if getattr(self, "is_stub_optimizer", False):
+        entries = ([] if getattr(self, "is_stub_optimizer", False)
+                   else _optimizer_entries(self, sync))
+        if not entries:
             return orig(self, *args, **kwargs)
-        entries = _optimizer_entries(self, sync)
         sync.resync([e for e in entries if e.bucket.loco_key not in sync.synced])
-        held = {e.bucket.loco_key: e.own().clone() for e in entries}
-        result = orig(self, *args, **kwargs)
-        if entries:
-            timer = weight_difference.TIMER_NAMES[0]
-            timers = sync.timers() if sync.timers is not None else None
-            if timers is not None:
-                timers(timer, log_level=2).start()
-            new = main_shards(self, entries, held)
-            for e in entries:
-                key = e.bucket.loco_key
-                sync.encode(e, new.pop(key), held.pop(key))
-            if timers is not None:
-                timers(timer, log_level=2).stop()
+        kept, mains = _split_groups(self, {e.bucket.loco_key for e in entries})
+        # the stock copy for every other parameter; these buckets' owners apply differences
+        with PatchSet(COPY_PATCH_SET).applied() as patches:
+            for attr, value in kept.items():
+                patches.replace(self, attr, value)
+            result = orig(self, *args, **kwargs)
+        timers = sync.timers() if sync.timers is not None else None
+        timer = step_timer(timers, weight_difference.TIMER_NAMES[0])
+        timer.start()
+        for e in entries:  # one bucket at a time: transient memory of one shard
+            sync.encode(e, main_shard(e, mains[e.bucket.loco_key]))
+        timer.stop()
         return result
     return _copy_main_params_to_model_params
 

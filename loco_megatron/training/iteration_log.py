@@ -181,6 +181,7 @@ def install(state: Optional["plugin.LoCoState"] = None) -> bool:
     state.timers = megatron_timers
     if state.param_active:
         state.param_sync.timers = megatron_timers
+        state.param_sync.stats.track_drift = True
     patches = PatchSet(PATCH_SET)
     patches.wrap(training, "training_log", lambda orig: _wrap_training_log(orig, training, state))
     _INSTALLED = (patches, state)

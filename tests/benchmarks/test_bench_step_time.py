@@ -84,6 +84,18 @@ def test_parser_loco_log():
         (615.95 + 716.64) / 2 / summary["step_ms_median"])
 
 
+def test_parser_reads_the_parameter_all_gather_fields():
+    """With --loco-param-bits the start-up line of the parameter all-gather is not summed into
+    the gradient bytes, and the iteration line's param-gather bytes are read."""
+    line = ("> LoCo: model chunk 0: parameter all-gather as 4-bit weight differences, 1 buckets: "
+            "746592 bytes/step per rank on the wire vs 5791232 stock (0.129x); exact ...")
+    it = (" iteration        3/       6 | elapsed time per iteration (ms): 10.0 | loco wire bytes "
+          "per step: 7 | loco param-gather bytes per step: 9 (stock 40) |")
+    p = LogParser().feed_text(LOCO_LOG.splitlines()[0] + "\n" + line + "\n" + it)
+    assert p.startup_bytes == (746592, 5791232)  # the gradient line only
+    assert summarize([p.steps[3]])["param_gather_bytes_per_step"] == 9
+
+
 def test_parser_stock_log():
     p = LogParser().feed_text(STOCK_LOG)
     assert p.startup_bytes is None
@@ -115,9 +127,13 @@ def test_markdown_table():
                           "1gbit": {"step_ms_median": 200.0, "grad_sync_share": 0.25,
                                     "loco_comm_share": 0.1, "loco_wire_bytes_per_step": 2 ** 19,
                                     "link_tx_bytes_per_step": 2 ** 19}}}
+    runs["dp2-loco4+param4"] = {"error": "", "startup_bytes": (2 ** 19, 2 ** 22),
+                                "1gbit": {"step_ms_median": 150.0, "params_all_gather_share": 0.1,
+                                          "param_gather_bytes_per_step": 2 ** 19,
+                                          "link_tx_bytes_per_step": 2 ** 20}}
     md = step_time._markdown(cfg, {"1gbit": 1.2e8}, runs, (1.5, 2.0))
     assert "| 1gbit | 2 | 300 | 200 | 1.50x | 50% | 25% (10%) | 4.00 MiB vs 0.50 MiB " \
-           "| 12.00 MiB vs 0.50 MiB | 20% / ? |" in md
+           "| 12.00 MiB vs 0.50 MiB | 20% / ? | 150 | 2.00x | 10% | 0.50 MiB | 1.00 MiB |" in md
     assert "stock sent 12.0 MiB/step over the link, 1.50x the reduce-scatter + all-gather" in md
     assert "120 MB/s" in md and "1.5 / 2.0 on" in md
 

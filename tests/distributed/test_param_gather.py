@@ -55,6 +55,14 @@ def test_tp1_dp2_fp32_50_steps_and_off_is_stock(run_ranks):
         p4 = res["param4"]
         _check_compressed(p4, steps, 2, False)
         assert p4["stats"][4] > 0  # fp32 main-parameter copies were made
+        # the iteration line's figures: bytes per step and drift as recomputed in fp64
+        loco, stock = p4["expected"]
+        for step, (fig, (dmax, drms)) in enumerate(p4["figures"]):
+            assert fig["bytes_per_step"] == (loco + stock if step == 0 else loco)
+            assert fig["stock_bytes_per_step"] == stock
+            assert fig["drift_max"] == pytest.approx(dmax, rel=1e-4, abs=1e-9)
+            assert fig["drift_rms"] == pytest.approx(drms, rel=1e-3, abs=1e-9)
+        assert 0 < p4["figures"][-1][1][0] < 0.05
         assert p4["losses"] != res["stock"]["losses"]  # it really compressed
         assert abs(p4["losses"][-1] - res["stock"]["losses"][-1]) < 0.01 * res["stock"]["losses"][0]
 
@@ -194,3 +202,16 @@ def test_resume_bit_identical(run_ranks, tmp_path, config, dtype):
             for name, p in straight["params"].items():
                 assert torch.equal(p, second["params"][name]), (fmt, name)
             assert second["logs"] == [], second["logs"]
+
+
+def test_fp16_overflow_step_sends_nothing(run_ranks):
+    """fp16 with the dynamic loss scaler: the step megatron skips on overflow has no new
+    difference, so nothing is gathered; replicas stay identical throughout."""
+    from .worker_loss_scale import INF_STEP
+    from .worker_param_gather import fp16_worker
+
+    for res in run_ranks(fp16_worker, 2):
+        for mode, rows in res.items():
+            assert [ok for ok, _, _ in rows] == [i != INF_STEP for i in range(len(rows))], mode
+            assert rows[INF_STEP][1] == 0 and all(b > 0 for ok, b, _ in rows if ok), rows
+            assert all(same for _, _, same in rows), mode

@@ -31,7 +31,7 @@ def drift_ratio(opt, sync) -> float:
     for o in getattr(opt, "chained_optimizers", [opt]):
         entries = param_sync._optimizer_entries(o, sync)
         held = {e.bucket.loco_key: e.own().clone() for e in entries}
-        new = param_sync.main_shards(o, entries, held)
+        new = param_sync.main_shards(o, entries)
         for e in entries:
             key = e.bucket.loco_key
             if key not in sync.last_scales:
@@ -47,6 +47,29 @@ def drift_ratio(opt, sync) -> float:
             bound = step + ulp + fp32 + 1e-30
             worst = max(worst, float(((new[key] - h).abs() / bound).max()))
     return worst
+
+
+def independent_drift(opt, sync):
+    """The iteration line's drift figures recomputed in fp64 from the main parameters and the
+    model parameters of every rank's own shards: ``(max |main - held| / rms(main),
+    rms(main - held) / rms(main))`` over all ranks."""
+    from loco_megatron.megatron import param_sync
+
+    worst, rsq, msq, n = 0.0, 0.0, 0.0, 0
+    for o in getattr(opt, "chained_optimizers", [opt]):
+        entries = param_sync._optimizer_entries(o, sync)
+        for key, new in param_sync.main_shards(o, entries).items():
+            e = sync.buckets[key]
+            r = new.double() - e.own().double()
+            worst = max(worst, float(r.abs().max()))
+            rsq, msq, n = rsq + float(r.dot(r)), msq + float(new.double().dot(new.double())), \
+                n + r.numel()
+    top = torch.tensor([worst], dtype=torch.float64)
+    sums = torch.tensor([rsq, msq, float(n)], dtype=torch.float64)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)
+    dist.all_reduce(sums)
+    rms = (sums[1] / sums[2]).sqrt()
+    return float(top[0] / rms), float((sums[0] / sums[2]).sqrt() / rms)
 
 
 def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
@@ -73,7 +96,9 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
         model, opt = build_gpt(overlap, bucket_size, params_dtype=params_dtype,
                                overlap_param_gather=overlap, **build_kwargs)
         dp = ps.get_data_parallel_group()
-        losses, identical, drifts, step_bytes, handed_bytes = [], [], [], [], []
+        losses, identical, drifts, step_bytes, handed_bytes, figures = [], [], [], [], [], []
+        if sync is not None:
+            sync.stats.track_drift = True  # as the iteration line does
         layout_shards = [(e.layout.shard, e.layout.block_size) for e in sync.buckets.values()] \
             if sync is not None else []
         for step in range(steps):
@@ -94,6 +119,7 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
             identical.append(replicas_identical(model.module.parameters(), dp))
             if sync is not None:
                 drifts.append(drift_ratio(opt, sync))
+                figures.append((sync.stats.reduce(1), independent_drift(opt, sync)))
         model.start_param_sync(force_sync=True)  # as megatron before a save or evaluation
         identical.append(replicas_identical(model.module.parameters(), dp))
         expected = None
@@ -108,7 +134,8 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
                 "stats": None if sync is None else (sync.stats.bytes_sent, sync.stats.stock_bytes,
                                                     sync.stats.exact_gathers, sync.stats.calls,
                                                     sync.fp32_copies),
-                "buckets": len(model.bucket_groups), "shards": layout_shards}
+                "buckets": len(model.bucket_groups), "shards": layout_shards,
+                "figures": figures}
     finally:
         loco_megatron.uninstall()
 
@@ -153,6 +180,36 @@ def moe_worker(rank, world, steps, modes=("stock", "param4", "both4")):
                          "expert_dp": dist.get_world_size(expert_dp_group()),
                          "expert_buckets": sum(len(g.buckets)
                                                for g in model.expert_parallel_bucket_groups)}
+        finally:
+            loco_megatron.uninstall()
+    return out
+
+
+def fp16_worker(rank, world, modes=("param4", "both4")):
+    """fp16 with megatron's dynamic loss scaler (worker_loss_scale.py's model) and an inf on
+    rank 0 at ``INF_STEP``: per step whether the update happened, the parameter all-gather
+    bytes this rank sent, and whether the replicas are identical."""
+    import loco_megatron
+    from megatron.core import parallel_state as ps
+
+    from .worker_loss_scale import INF_STEP, STEPS, build_fp16_gpt, fp16_step
+
+    setup(1, "gloo")
+    out = {}
+    for mode in modes:
+        state = loco_megatron.install(loco_megatron.LoCoConfig(block_size=64, **MODES[mode]))
+        try:
+            model, opt = build_fp16_gpt()
+            rows = []
+            for step in range(STEPS):
+                poison = float("inf") if step == INF_STEP and dist.get_rank() == 0 else None
+                fp16_step(model, opt, poison)
+                before = state.param_sync.stats.bytes_sent
+                ok, _, _ = opt.step()
+                rows.append((bool(ok), state.param_sync.stats.bytes_sent - before,
+                             replicas_identical(model.module.parameters(),
+                                                ps.get_data_parallel_group())))
+            out[mode] = rows
         finally:
             loco_megatron.uninstall()
     return out
