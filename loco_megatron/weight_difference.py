@@ -46,9 +46,9 @@ from .collectives import launch, step_timer
 from .error_buffer import ErrorBuffer
 from .layout import BucketLayout
 
-#: Megatron timers (log level 2) of the parameter path: encode + own apply; decode + apply of
-#: the received chunks
-TIMER_NAMES = ("loco-param-encode", "loco-param-decode")
+#: Megatron timers (log level 2) of the parameter path: encode + own apply; the all-gathers
+#: (launch, and the wait for them); decode + apply of the received chunks
+TIMER_NAMES = ("loco-param-encode", "loco-param-comm", "loco-param-decode")
 
 
 @lru_cache(maxsize=512)
@@ -91,16 +91,22 @@ def encode(impl: str, new: torch.Tensor, held: torch.Tensor, layout: BucketLayou
         a NaN/inf in ``new`` gives its block a non-finite scale (decoded NaN, as stock would
         copy it).
     """
+    return encode_difference(impl, new - held.float(), layout, rank, bits)
+
+
+def encode_difference(impl: str, diff: torch.Tensor, layout: BucketLayout, rank: int,
+                      bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode` of a difference ``new - held`` already computed (fp32 ``[layout.shard]``,
+    read only): ``Q_b(diff)`` padded for the wire."""
     lay = shard_layouts(layout)[rank]
-    diff = new - held.float()
     table = kernels.block_table(lay, diff.device if impl != "torch" else "cpu")
     scratch = ErrorBuffer(lay.padded_shard, lay.block_size, "fp32", torch.float32, diff.device)
     payload, scales, *_ = kernels.compress_bucket(impl, diff, table, scratch, bits=bits, beta=0.0,
                                                   reset=True, want_err_sq=False)
-    del scratch, diff
+    del scratch
     nbytes, nscales = chunk_shape(layout, bits)
-    out_p = torch.zeros(nbytes, dtype=torch.uint8, device=new.device)
-    out_s = torch.zeros(nscales, dtype=torch.float32, device=new.device)
+    out_p = torch.zeros(nbytes, dtype=torch.uint8, device=diff.device)
+    out_s = torch.zeros(nscales, dtype=torch.float32, device=diff.device)
     out_p[:payload.numel()] = payload
     out_s[:scales.numel()] = scales
     return out_p, out_s
@@ -211,7 +217,7 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     recv_p = [torch.empty_like(payload) for _ in range(world)]
     recv_s = [torch.empty_like(scales) for _ in range(world)]
-    comm_timer = step_timer(timers, "loco-comm")
+    comm_timer = step_timer(timers, TIMER_NAMES[1])
     comm_timer.start()
     works = [dist.all_gather(recv_p, payload, group=group, async_op=async_op),
              dist.all_gather(recv_s, scales, group=group, async_op=async_op)]
@@ -222,7 +228,7 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
         stats.stock_bytes += (world - 1) * layout.shard * params.element_size()
 
     def finish():
-        timer = step_timer(timers, TIMER_NAMES[1])
+        timer = step_timer(timers, TIMER_NAMES[2])
         timer.start()
         flat = params.view(-1)
         for r in range(world):

@@ -121,20 +121,23 @@ class ParamSync:
             self.stats.stock_bytes += nbytes
         self.synced.add(e.bucket.loco_key)
 
-    def encode(self, e: _Bucket, new: torch.Tensor) -> None:
-        """Encode ``Q(new - held)`` of ``e``'s own shard (``held``: its ``param_data`` slice),
-        keep it for the all-gather and apply it to the own shard in place."""
+    def encode(self, e: _Bucket, mains) -> None:
+        """Encode ``Q(main - held)`` of ``e``'s own shard (``held``: its ``param_data`` slice;
+        ``mains``: its ``[(main shard, world offset)]``), keep it for the all-gather and apply
+        it to the own shard in place."""
         key = e.bucket.loco_key
         if key in self.pending:
             raise RuntimeError(
                 f"LoCo {flag('param_bits')}: bucket {key} was stepped twice without a parameter "
                 f"all-gather in between (megatron-core's start_param_sync was skipped); its "
                 f"replicas would diverge.")
-        impl, bits, own = self._impl(new), self.config.param_bits, e.own()
-        payload, scales = weight_difference.encode(impl, new, own, e.layout, e.rank, bits)
+        own, bits = e.own(), self.config.param_bits
+        impl = self._impl(own)
+        payload, scales = weight_difference.encode_difference(
+            impl, difference(e, mains), e.layout, e.rank, bits)
         weight_difference.apply(impl, own, payload, scales, e.layout, e.rank, bits)
         if self.stats.track_drift:
-            self.stats.add_drift(new, own)
+            self.stats.add_drift(main_shard(e, mains), own)
         self.pending[key] = (payload, scales)
         self.last_scales[key] = scales
 
@@ -248,6 +251,17 @@ def main_shard(e: _Bucket, mains) -> torch.Tensor:
     return new
 
 
+def difference(e: _Bucket, mains) -> torch.Tensor:
+    """fp32 ``[shard]``: ``main - held`` over ``e``'s own shard (0 where no parameter is),
+    in two passes (a zero fill and one subtraction per parameter)."""
+    diff = torch.zeros(e.layout.shard, dtype=torch.float32, device=e.bucket.param_data.device)
+    own, base = e.own(), e.rank * e.layout.shard
+    for main, start in mains:
+        lo, hi = start - base, start - base + main.numel()
+        torch.sub(main.detach().view(-1), own[lo:hi], out=diff[lo:hi])
+    return diff
+
+
 def main_shards(opt, entries: List[_Bucket]) -> Dict[Hashable, torch.Tensor]:
     """:func:`main_shard` of each entry (for tests and telemetry: the exact ``main``)."""
     _, mains = _split_groups(opt, {e.bucket.loco_key for e in entries})
@@ -284,7 +298,7 @@ def _wrap_copy_main_params(orig, state):
         timer = step_timer(timers, weight_difference.TIMER_NAMES[0])
         timer.start()
         for e in entries:  # one bucket at a time: transient memory of one shard
-            sync.encode(e, main_shard(e, mains[e.bucket.loco_key]))
+            sync.encode(e, mains[e.bucket.loco_key])
         timer.stop()
         return result
     return _copy_main_params_to_model_params

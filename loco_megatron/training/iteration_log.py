@@ -25,6 +25,7 @@ import sys
 from typing import Optional
 
 from ..collectives import TIMER_NAMES
+from ..weight_difference import TIMER_NAMES as PARAM_TIMER_NAMES
 from ..metrics import LoCoFigures
 from ..megatron import plugin
 from ..patching import PatchSet
@@ -99,10 +100,10 @@ def _is_iteration_line(message) -> bool:
     return isinstance(message, str) and " iteration " in message and "|" in message
 
 
-def _with_loco_timers(method):
+def _with_loco_timers(method, extra=TIMER_NAMES):
     @functools.wraps(method)
     def call(names, *args, **kwargs):
-        return method(list(names) + [n for n in TIMER_NAMES if n not in names], *args, **kwargs)
+        return method(list(names) + [n for n in extra if n not in names], *args, **kwargs)
     return call
 
 
@@ -137,14 +138,21 @@ def _wrap_training_log(orig, module, state):
             print_line(message)
 
         # for this call only: the iteration line and the timers' lists
+        megatron_args = sys.modules["megatron.training.global_vars"].get_args()
         with PatchSet(LINE_PATCH_SET).applied() as patches:
             patches.replace(module, "print_rank_last", print_rank_last)
             timers = megatron_timers()
-            megatron_args = sys.modules["megatron.training.global_vars"].get_args()
             if timers is not None and getattr(megatron_args, "timing_log_level", 0) >= 2:
+                extra = (TIMER_NAMES if state.active else ()) + (
+                    PARAM_TIMER_NAMES if state.param_active else ())
                 for name in ("log", "write"):
-                    patches.wrap(timers, name, _with_loco_timers)
-            return orig(*args, **kwargs)
+                    patches.wrap(timers, name, functools.partial(_with_loco_timers, extra=extra))
+            result = orig(*args, **kwargs)
+        if state.param_active:  # the drift costs passes over the shard: only before a line
+            interval = max(int(getattr(megatron_args, "log_interval", 1) or 1), 1)
+            state.param_sync.stats.track_drift = (iteration + 1) % interval == 0
+            state.param_sync.stats.drift = None
+        return result
     return training_log
 
 

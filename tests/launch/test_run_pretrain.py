@@ -88,10 +88,35 @@ def check_loco_telemetry(out, tb_dir, iterations):
             assert value == pytest.approx(float(line[col]), rel=1e-6, abs=5e-4 if col == 4 else 0)
 
 
+PARAM_FIELDS = re.compile(
+    r"iteration\s+(\d+)/.*?\| loco param-gather bytes per step: (\d+) \(stock (\d+)\) \| "
+    r"loco param drift max/rms: (\S+)/(\S+) \|")
+
+
+def check_param_telemetry(out, tb_dir, iterations):
+    """--loco-param-bits: bytes per step = the start-up line's (plus the exact all-gather of
+    the first step), drift figures on every line and in TensorBoard."""
+    expected = re.search(r"> LoCo: model chunk 0: parameter all-gather as 4-bit weight "
+                         r"differences, \d+ buckets: (\d+) bytes/step per rank on the wire vs "
+                         r"(\d+) stock", out)
+    loco, stock = int(expected[1]), int(expected[2])
+    lines = PARAM_FIELDS.findall(out)
+    assert [int(m[0]) for m in lines] == list(range(1, iterations + 1))
+    for it, nbytes, stock_bytes, dmax, drms in lines:
+        assert int(nbytes) == (loco + stock if it == "1" else loco) and int(stock_bytes) == stock
+        assert 0 <= float(drms) <= float(dmax) < 0.05  # relative to the parameters' RMS
+    assert re.search(r"loco-param-encode \.+: \(\d+\.\d+, \d+\.\d+\)", out)
+    scalars = _scalars(tb_dir)
+    assert [v for _, v in scalars["loco/param-gather-bytes-per-step"]] == [
+        float(m[1]) for m in lines]
+    assert len(scalars["loco/param-drift-max"]) == iterations
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
 def test_run_pretrain_loco4_on_default_corpus(tmp_path):
+    """The main job's defaults plus --loco-param-bits 4 (both directions compressed)."""
     out = _run(tmp_path, "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
-               "--timing-log-level", "2")
+               "--timing-log-level", "2", "--loco-param-bits", "4")
     assert "> LoCo active: 4-bit compensated reduce-scatter" in out
     assert re.search(r"> LoCo: model chunk 0: \d+ buckets, \d+ gradient elements", out)
     assert len(_losses(out)) == 4  # Megatron's own iteration lines
@@ -99,6 +124,7 @@ def test_run_pretrain_loco4_on_default_corpus(tmp_path):
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
     assert (tmp_path / "run" / "tensorboard").is_dir()
     check_loco_telemetry(out, tmp_path / "run" / "tensorboard", 4)
+    check_param_telemetry(out, tmp_path / "run" / "tensorboard", 4)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
@@ -167,16 +193,19 @@ def _checkpoint_tensors(ckpt_dir, tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
 def test_resume_is_exact_through_megatron_training(tmp_path):
     """Megatron's own --save/--exit-interval then --load (torch_dist, dp_reshardable, dropout
-    on): the iteration-6 checkpoint of the resumed run equals the uninterrupted run's tensor for
-    tensor: model, Adam state and LoCo's error buffers (exact and summed forms)."""
+    on), with the parameter all-gather compressed too (--loco-param-bits 4): the iteration-6
+    checkpoint of the resumed run equals the uninterrupted run's tensor for tensor: model
+    parameters (what the replicas hold), Adam state and fp32 main parameters, LoCo's error
+    buffers (exact and summed forms)."""
     import torch
 
     straight, split = tmp_path / "straight", tmp_path / "split"
-    _run(tmp_path, "--train-iters", "6", "--save", str(straight), "--save-interval", "6")
+    both = ("--loco-param-bits", "4")
+    _run(tmp_path, "--train-iters", "6", "--save", str(straight), "--save-interval", "6", *both)
     _run(tmp_path, "--train-iters", "6", "--save", str(split), "--save-interval", "3",
-         "--exit-interval", "3")
+         "--exit-interval", "3", *both)
     out = _run(tmp_path, "--train-iters", "6", "--load", str(split), "--save", str(split),
-               "--save-interval", "3")
+               "--save-interval", "3", *both)
     assert re.search(r"successfully loaded checkpoint from .* at iteration 3", out)
     assert re.findall(r"iteration\s+(\d+)/\s*6 \|", out) == ["4", "5", "6"]
     assert "LoCo:" not in out.replace("LoCo: model chunk", "")  # exact restore: no warning
