@@ -76,9 +76,10 @@ def check_layouts_agree(config: LoCoConfig,
         if problem:
             raise LoCoConfigError(
                 f"LoCo: the ranks of data-parallel group {list(ranks)} disagree: {problem}. "
-                f"Their compressed reduce-scatters would exchange blocks of different sizes "
-                f"(a hang or wrong sums), so LoCo stops at start-up. Give every rank the same "
-                f"model, --ddp-bucket-size, gradient dtype (--bf16 / --accumulate-allreduce-"
+                f"Their compressed collectives (the gradient reduce-scatter, with "
+                f"--loco-param-bits the parameter all-gather) would exchange blocks of different "
+                f"sizes (a hang or wrong sums), so LoCo stops at start-up. Give every rank the "
+                f"same model, --ddp-bucket-size, gradient dtype (--bf16 / --accumulate-allreduce-"
                 f"grads-in-fp32) and --loco-* flags (a --config file or environment that "
                 f"differs between nodes?).")
 

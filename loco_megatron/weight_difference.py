@@ -198,8 +198,9 @@ class ParamGatherStats:
 def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
                            layout: BucketLayout, group, async_op: bool, *, impl: str, bits: int,
                            stats: Optional[ParamGatherStats] = None, timers=None):
-    """Steps 3-4 for one bucket: all-gather every owner's codes and scales, then apply the
-    other ranks' differences to ``params`` (the owner applied its own at :func:`encode` time).
+    """Steps 3-4 for one bucket: all-gather every owner's codes and scales, then apply every
+    rank's difference to ``params``, this rank's own included (in rank order, the same
+    arithmetic on every replica).
 
     Uses ``torch.distributed.all_gather`` (lists), which megatron-core's ``_coalescing_manager``
     does not capture: the collectives run now, and with ``async_op`` the returned
@@ -214,7 +215,7 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
     Returns:
         the work handle with ``async_op``, else None after applying.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     recv_p = [torch.empty_like(payload) for _ in range(world)]
     recv_s = [torch.empty_like(scales) for _ in range(world)]
     comm_timer = step_timer(timers, TIMER_NAMES[1])
@@ -232,9 +233,8 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
         timer.start()
         flat = params.view(-1)
         for r in range(world):
-            if r != rank:
-                apply(impl, flat[r * layout.shard:(r + 1) * layout.shard], recv_p[r], recv_s[r],
-                      layout, r, bits)
+            apply(impl, flat[r * layout.shard:(r + 1) * layout.shard], recv_p[r], recv_s[r],
+                  layout, r, bits)
         timer.stop()
 
     return launch(works, finish, comm_timer, async_op)

@@ -13,8 +13,8 @@ megatron/core/optimizer/distrib_optimizer.py and distributed/param_and_grad_buff
 ``DistributedOptimizer._copy_main_params_to_model_params``
     runs as stock for every parameter outside the buckets with weight differences on (their
     entries are hidden from its group lists while it runs); for each of those buckets, one at a
-    time, the owner encodes ``Q(main - held)`` from the fp32 main parameters and adds ``deQ``
-    to its own shard in place, keeping the codes for the all-gather. A bucket whose ``held``
+    time, the owner encodes ``Q(main - held)`` from the fp32 main parameters and keeps the
+    codes for the all-gather (every rank applies them there, the owner too). A bucket whose ``held``
     may differ between replicas (the first step, any checkpoint load) first gets an exact
     all-gather of ``held`` itself (stock bytes, once).
 ``_ParamAndGradBucketGroup.start_param_sync``
@@ -123,21 +123,23 @@ class ParamSync:
 
     def encode(self, e: _Bucket, mains) -> None:
         """Encode ``Q(main - held)`` of ``e``'s own shard (``held``: its ``param_data`` slice;
-        ``mains``: its ``[(main shard, world offset)]``), keep it for the all-gather and apply
-        it to the own shard in place."""
+        ``mains``: its ``[(main shard, world offset)]``) and keep it for the all-gather, which
+        applies it on every rank, the owner included (so parameters loaded in between, e.g.
+        ``model.load_state_dict``, get the same difference on every replica). A difference
+        still pending from an earlier step (two optimizer steps without a forward under
+        ``--overlap-param-gather``) is all-gathered and applied first, on every rank of the
+        group: they all reach this step."""
         key = e.bucket.loco_key
         if key in self.pending:
-            raise RuntimeError(
-                f"LoCo {flag('param_bits')}: bucket {key} was stepped twice without a parameter "
-                f"all-gather in between (megatron-core's start_param_sync was skipped); its "
-                f"replicas would diverge.")
+            self.gather(e, async_op=False)
         own, bits = e.own(), self.config.param_bits
         impl = self._impl(own)
         payload, scales = weight_difference.encode_difference(
             impl, difference(e, mains), e.layout, e.rank, bits)
-        weight_difference.apply(impl, own, payload, scales, e.layout, e.rank, bits)
-        if self.stats.track_drift:
-            self.stats.add_drift(main_shard(e, mains), own)
+        if self.stats.track_drift:  # held as it will be after the all-gather
+            after = own.clone()
+            weight_difference.apply(impl, after, payload, scales, e.layout, e.rank, bits)
+            self.stats.add_drift(main_shard(e, mains), after)
         self.pending[key] = (payload, scales)
         self.last_scales[key] = scales
 

@@ -72,6 +72,13 @@ def log_param_gather(chunk: int, config: LoCoConfig,
         f"step and after a checkpoint load; memory: an fp32 copy of the rank's own shard of "
         f"fp32 parameters only (bf16/fp16 ones use megatron's main copy), <= {4 * shard} "
         f"bytes per bucket transient")
+    if loco > stock:
+        print_rank_0(
+            f"> LoCo WARNING: the parameter all-gather sends {loco / stock:.2f}x stock's bytes: "
+            f"blocks are padded at every parameter and shard boundary, so --loco-block-size "
+            f"{config.block_size} is too large for this model's shards (or 4 bytes of scale per "
+            f"block too many at this size); use a smaller --loco-block-size, or drop "
+            f"--loco-param-bits.")
 
 
 def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:

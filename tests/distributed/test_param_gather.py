@@ -215,3 +215,30 @@ def test_fp16_overflow_step_sends_nothing(run_ranks):
             assert [ok for ok, _, _ in rows] == [i != INF_STEP for i in range(len(rows))], mode
             assert rows[INF_STEP][1] == 0 and all(b > 0 for ok, b, _ in rows if ok), rows
             assert all(same for _, _, same in rows), mode
+
+
+@pytest.mark.parametrize("hook", ["model_load", "double_step"])
+def test_overlapped_differences_survive_a_reload_or_a_second_step(run_ranks, hook):
+    """With --overlap-param-gather the differences wait for the next forward. An in-process
+    model load in between (model.load_state_dict + reload_model_params) must not leave the
+    replicas apart (every rank, the owner too, applies the pending difference to what it
+    loaded), and a second optimizer step first sends the pending one (no error)."""
+    from .worker_param_gather import reload_worker
+
+    for res in run_ranks(reload_worker, 2, hook):
+        assert all(res["stock"]) and all(res["param4"]), res
+        assert len(res["param4"]) == 6
+
+
+def test_startup_warns_when_differences_outweigh_the_parameters(capsys):
+    """Blocks padded at every boundary: a huge block on small shards sends more than stock;
+    the start-up line says so and names --loco-block-size."""
+    from loco_megatron.layout import BucketLayout
+    from loco_megatron.megatron.report import log_param_gather
+
+    cfg = LoCoConfig(param_bits=4, block_size=65536)
+    log_param_gather(0, cfg, [(BucketLayout.build(4096, 2, 65536, (100, 1000)), 2)])
+    out = capsys.readouterr().out
+    assert "LoCo WARNING: the parameter all-gather sends" in out and "--loco-block-size 65536" in out
+    log_param_gather(0, LoCoConfig(param_bits=4), [(BucketLayout.build(4096, 2, 256), 2)])
+    assert "WARNING" not in capsys.readouterr().out

@@ -213,3 +213,45 @@ def fp16_worker(rank, world, modes=("param4", "both4")):
         finally:
             loco_megatron.uninstall()
     return out
+
+
+def reload_worker(rank, world, hook, steps=5):
+    """Overlapped bf16 training (weight differences pending between the optimizer step and the
+    next forward) with ``hook`` after step 2: ``"model_load"`` loads the model's step-0 state
+    dict and the optimizer's main parameters from it (an in-process weight reload), ``"double_
+    step"`` makes a second optimizer step before the forward. Per step: replicas identical."""
+    import loco_megatron
+    from megatron.core import parallel_state as ps
+
+    setup(1, "gloo")
+    out = {}
+    for mode in ("stock", "param4"):
+        if mode != "stock":
+            loco_megatron.install(loco_megatron.LoCoConfig(param_bits=4, block_size=64))
+        try:
+            model, opt = build_gpt(True, 6000, dropout=0.0, params_dtype=torch.bfloat16,
+                                   overlap_param_gather=True)
+            identical, snap = [], None
+            for step in range(steps):
+                forward_backward(model, opt)
+                if step == 0:
+                    snap = {k: v.clone() if torch.is_tensor(v) else v
+                            for k, v in model.state_dict().items()}
+                opt.step()
+                if step == 2 and hook == "model_load":
+                    with torch.no_grad():
+                        model.load_state_dict(snap)
+                    opt.reload_model_params()
+                if step == 2 and hook == "double_step":
+                    opt.step()
+                for group in model.bucket_groups:  # what the next forward's pre-hooks do
+                    group.finish_param_sync(skip_next_bucket_dispatch=True)
+                identical.append(replicas_identical(model.module.parameters(),
+                                                    ps.get_data_parallel_group()))
+            model.start_param_sync(force_sync=True)
+            identical.append(replicas_identical(model.module.parameters(),
+                                                ps.get_data_parallel_group()))
+            out[mode] = identical
+        finally:
+            loco_megatron.uninstall()
+    return out
