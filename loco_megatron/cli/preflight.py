@@ -75,6 +75,26 @@ def gradient_dp_size(args) -> int:
     return max(dense, expert)
 
 
+#: Megatron-LM flags whose parameter all-gather (or main parameters) --loco-param-bits cannot
+#: replace: refused as early as the FSDP switches
+_PARAM_GATHER_FLAGS = (("fp8_param_gather", "--fp8-param-gather"),
+                       ("fp4_param_gather", "--fp4-param-gather"),
+                       ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"))
+
+
+def _check_param_gather_flags(args, config: LoCoConfig) -> None:
+    if not config.params_enabled:
+        return
+    for attr, flag in _PARAM_GATHER_FLAGS:
+        if getattr(args, attr, False):
+            raise LoCoConfigError(
+                f"--loco-param-bits {config.param_bits} cannot be used with {flag}: "
+                + ("the fused optimizer keeps the fp32 main parameters the weight differences are "
+                   "taken from" if attr == "use_precision_aware_optimizer" else
+                   "it all-gathers quantized parameters instead of the distributed optimizer's "
+                   "all-gather that LoCo compresses") + "; drop one of the two.")
+
+
 _FSDP_FLAGS = (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-custom-fsdp"),
                ("use_torch_fsdp2", "--use-torch-fsdp2"))
 
@@ -103,7 +123,7 @@ def preparse_loco_config(argv) -> LoCoConfig:
         LoCoConfigError: naming the flag (or the ``--yaml-cfg`` file and key).
     """
     parser = add_loco_args(RaisingParser(add_help=False, allow_abbrev=False))
-    for attr, flag in _FSDP_FLAGS:
+    for attr, flag in _FSDP_FLAGS + _PARAM_GATHER_FLAGS:
         parser.add_argument(flag, dest=attr, action="store_true")
     parser.add_argument("--yaml-cfg", dest="yaml_cfg", default=None)
     known, _ = parser.parse_known_args(argv)
@@ -114,6 +134,7 @@ def preparse_loco_config(argv) -> LoCoConfig:
     else:
         config = config_from_args(known)
     _check_fsdp(known, config)
+    _check_param_gather_flags(known, config)
     return config
 
 

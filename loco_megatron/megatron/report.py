@@ -68,8 +68,9 @@ def log_param_gather(chunk: int, config: LoCoConfig,
     print_rank_0(
         f"> LoCo: model chunk {chunk}: parameter all-gather as {config.param_bits}-bit weight "
         f"differences, {len(buckets)} buckets: {loco} bytes/step per rank on the wire vs "
-        f"{stock} stock ({loco / stock if stock else 0.0:.3f}x); exact (stock) on the first "
-        f"step and after a checkpoint load; memory: an fp32 copy of the rank's own shard of "
+        f"{stock} stock ({loco / stock if stock else 0.0:.3f}x); before the first difference "
+        f"and after a checkpoint load one exact all-gather of the parameters (stock bytes); "
+        f"memory: an fp32 copy of the rank's own shard of "
         f"fp32 parameters only (bf16/fp16 ones use megatron's main copy), <= {4 * shard} "
         f"bytes per bucket transient")
     if loco > stock:

@@ -34,6 +34,7 @@ VARIANTS = (("stock fp32", None, False, None, None), ("stock bf16", None, False,
             ("LoCo 8-bit hier. intra 8", 8, True, 8, None),
             ("LoCo 4-bit flat + param 4-bit", 4, False, None, 4),
             ("LoCo 8-bit flat + param 8-bit", 8, False, None, 8),
+            ("LoCo 4-bit hier. intra 16 + param 4-bit", 4, True, 16, 4),
             ("LoCo 4-bit hier. intra 8 + param 4-bit", 4, True, 8, 4))
 
 
@@ -192,6 +193,11 @@ def _variant(name, bits, hier, intra, param_bits, buckets: List[Bucket],
         ag_exposed = exposed_before_use([n for n, _ in order], [t for _, t in order])
     else:
         ag_exposed = sum(ag)
+    if param_bits:  # the owner's encode of its shard, every rank's decode of the bucket (fp32)
+        sent_buckets = [b for b in buckets if b.group.size > 1]
+        compress += sum(4 * b.numel / b.group.size for b in sent_buckets) / (
+            opt.compress_GBps * 1e9)
+        decompress += sum(4 * b.numel for b in sent_buckets) / (opt.decompress_GBps * 1e9)
     copies = (sum(b.numel // b.group.size for b in buckets if b.group.size > 1) * 4
               if param_bits and opt.param_elem == 4 else 0)
     return {"name": name, "bits": bits, "hierarchical": hier, "intra_node_bits": intra,

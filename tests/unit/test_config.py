@@ -79,6 +79,21 @@ def test_preparse_reads_only_loco_flags():
             preparse_loco_config(argv)
 
 
+@pytest.mark.parametrize("flag", ["--fp8-param-gather", "--fp4-param-gather",
+                                  "--use-precision-aware-optimizer", "--use-torch-fsdp2",
+                                  "--use-megatron-fsdp"])
+def test_param_bits_refusals_in_the_preflight(flag):
+    """--loco-param-bits with a Megatron flag whose parameter all-gather (or fp32 main
+    parameters) it cannot replace: one error naming both, before Megatron starts; the same flag
+    without --loco-param-bits (and with --loco-param-bits 16) is left to Megatron."""
+    from loco_megatron.cli.preflight import preparse_loco_config
+
+    with pytest.raises(LoCoConfigError, match=f"--loco-param-bits 4 cannot be used with {flag}"):
+        preparse_loco_config(["--loco-param-bits", "4", flag, "--use-distributed-optimizer"])
+    for bits in ([], ["--loco-param-bits", "16"]):
+        assert preparse_loco_config([*bits, flag]).params_enabled is False
+
+
 @pytest.mark.parametrize("attrs,flag", [
     ({"use_megatron_fsdp": True}, "--use-megatron-fsdp"),
     ({"use_custom_fsdp": True}, "--use-custom-fsdp"),

@@ -182,7 +182,7 @@ def test_cli_prints_table_and_json(capsys):
     assert "LoCo 4-bit flat" in out and "expert DP 2" in out and "ratio to stock" in out
     assert main(args + ["--json"]) == 0
     p = json.loads(capsys.readouterr().out)
-    assert p["expert_dp"] == 2 and p["dp"] == 16 and len(p["variants"]) == 11
+    assert p["expert_dp"] == 2 and p["dp"] == 16 and len(p["variants"]) == 12
 
 
 def test_data_parallel_size_one_changes_nothing(capsys):
@@ -312,13 +312,17 @@ def test_parameter_all_gather_rows_count_exact_bytes(capsys):
     from loco_megatron.planner.predict import PlanOptions, param_gather
 
     assert main(["plan", "--config", str(REPO / "configs/llama2_7b.yaml"), "--nodes", "2",
-                 "--gpus-per-node", "8", "--json"]) == 0
+                 "--gpus-per-node", "8", "--inter-node-gbps", "100", "--nics-per-node", "1",
+                 "--json"]) == 0
     rows = {v["name"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
     plain, both = rows["LoCo 4-bit flat"], rows["LoCo 4-bit flat + param 4-bit"]
     assert plain["grad_bytes_sent"] == both["grad_bytes_sent"]
     assert plain["param_bytes_sent"] == rows["stock fp32"]["param_bytes_sent"]
     assert both["param_bits"] == 4 and both["param_bytes_sent"] < 0.3 * plain["param_bytes_sent"]
     assert both["step_ms"] < plain["step_ms"] and both["param_fp32_copy_bytes"] == 0
+    # its kernels: the owner's encode of its shard and every rank's decode of the bucket
+    assert both["compress_ms"] > plain["compress_ms"]
+    assert both["decompress_ms"] > plain["decompress_ms"]
     # one bucket by hand: 3 ranks x 700 elements, parameters cut at 123 and 1000, block 64
     bucket = Bucket(2100, ((0, 123), (123, 1000), (1000, 2100)), False, 1.0, GroupSpread(3, 1, 3))
     cluster = ClusterSpec(nodes=1, gpus_per_node=3)
