@@ -202,8 +202,8 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
     rank's difference to ``params``, this rank's own included (in rank order, the same
     arithmetic on every replica).
 
-    Uses ``torch.distributed.all_gather`` (lists), which megatron-core's ``_coalescing_manager``
-    does not capture: the collectives run now, and with ``async_op`` the returned
+    Uses ``torch.distributed.all_gather`` (lists; the seam calls it outside megatron-core's
+    ``_coalescing_manager``); with ``async_op`` the returned
     :class:`~loco_megatron.collectives.LoCoWork` finishes the apply in ``wait()`` (the handle
     the bucket group must wait on).
 

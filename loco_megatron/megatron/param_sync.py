@@ -19,10 +19,12 @@ megatron/core/optimizer/distrib_optimizer.py and distributed/param_and_grad_buff
     all-gather of ``held`` itself (stock bytes, once).
 ``_ParamAndGradBucketGroup.start_param_sync``
     runs as stock, with the module global ``dist_all_gather_func`` pointing at a function that
-    all-gathers the pending codes instead (outside megatron's ``_coalescing_manager``, whose
-    ``wait()`` would not wait on it) and returns a handle that applies them; the group's
-    ``param_gather_handle`` becomes a handle over both, so ``finish_param_sync`` (overlapped
-    gather) and the synchronous path both end with the parameters applied. A bucket with no
+    records which buckets have pending codes instead of gathering them; when the original
+    returns (after megatron's ``_coalescing_manager`` block, which would group NCCL collectives
+    until it ends and whose ``wait()`` never waits on a custom handle), their all-gathers are
+    launched, synchronously or not as megatron asked, and the group's ``param_gather_handle``
+    becomes a handle over megatron's and LoCo's, so ``finish_param_sync`` (overlapped gather)
+    and the synchronous path both end with the parameters applied. A bucket with no
     pending codes and ``held`` in sync sends nothing (an fp16 step skipped on overflow, a second
     ``force_sync``).
 """
@@ -315,7 +317,7 @@ def _wrap_start_param_sync(orig, state):
             return orig(self, *args, **kwargs)
         module = compat.param_and_grad_buffer_module()
         stock = module.dist_all_gather_func
-        order, works = iter(zip(self.buckets, entries)), []
+        order, requested = iter(zip(self.buckets, entries)), []
 
         def all_gather(output, input, group=None, async_op=False):
             bucket, e = next(order)
@@ -328,8 +330,7 @@ def _wrap_start_param_sync(orig, state):
             if bucket.loco_key not in sync.synced:  # not stepped under LoCo yet: exact
                 sync.count_exact(e, instead_of_stock=True)
                 return stock(output, input, group=group, async_op=async_op)
-            work = sync.gather(e, async_op)
-            works.append(work)
+            requested.append((e, async_op))  # launched after megatron's coalescing block
             return None
 
         module.dist_all_gather_func = all_gather
@@ -337,8 +338,14 @@ def _wrap_start_param_sync(orig, state):
             result = orig(self, *args, **kwargs)
         finally:
             module.dist_all_gather_func = stock
-        if self.param_gather_handle is not None and works:
-            self.param_gather_handle = GroupWork([self.param_gather_handle] + works)
+        # outside megatron's _coalescing_manager: NCCL would group collectives issued inside
+        # it until the block ends, and its wait() never waits on LoCo's handles
+        works = [w for w in (sync.gather(e, async_op) for e, async_op in requested)
+                 if w is not None]
+        if works:
+            self.param_gather_handle = GroupWork(
+                ([self.param_gather_handle] if self.param_gather_handle is not None else [])
+                + works)
         return result
     return start_param_sync
 
