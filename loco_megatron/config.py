@@ -268,6 +268,40 @@ def _accepted_types() -> Dict[str, Tuple[type, ...]]:
 _ACCEPTED_TYPES = _accepted_types()
 
 
+#: what ``--loco-param-bits`` (weight differences, loco_megatron/weight_difference.py) cannot
+#: replace: megatron settings whose parameter all-gather (or fp32 main parameters) is not the
+#: distributed optimizer's, ``(attribute, what it is, why)``; checked by the preflight
+#: (Megatron-LM's arguments) and by the seam (megatron-core's DDP and optimizer configs). The
+#: attribute is the same on megatron-core's ``DistributedDataParallelConfig`` /
+#: ``OptimizerConfig`` and on Megatron-LM's parsed arguments; ``what`` is the Megatron-LM flag
+#: where there is one.
+PARAM_BITS_CONFLICTS = tuple(
+    [(attr, flag_, "FSDP gathers parameters its own way, not through the distributed "
+                   "optimizer's all-gather that LoCo compresses")
+     for attr, flag_ in (("use_megatron_fsdp", "--use-megatron-fsdp"),
+                         ("use_custom_fsdp", "--use-custom-fsdp"),
+                         ("use_torch_fsdp2", "--use-torch-fsdp2"))]
+    + [(attr, flag_, "it all-gathers quantized parameters instead of the distributed "
+                     "optimizer's all-gather that LoCo compresses")
+       for attr, flag_ in (("fp8_param_gather", "--fp8-param-gather"),
+                           ("fp4_param_gather", "--fp4-param-gather"),
+                           ("reuse_grad_buf_for_mxfp8_param_ag", "the mxfp8 parameter all-gather"))]
+    + [("use_precision_aware_optimizer", "--use-precision-aware-optimizer",
+        "the fused optimizer keeps the fp32 main parameters the weight differences are taken "
+        "from")])
+
+
+def check_param_bits_conflicts(settings, param_bits: Optional[int] = None) -> None:
+    """Raise :class:`LoCoConfigError` naming ``--loco-param-bits`` (and ``param_bits``) and the
+    first of :data:`PARAM_BITS_CONFLICTS` set on ``settings`` (a DDP or optimizer config, or
+    Megatron-LM's arguments; missing attributes count as off)."""
+    for attr, what, why in PARAM_BITS_CONFLICTS:
+        if getattr(settings, attr, False):
+            bits = "" if param_bits is None else f" {param_bits}"
+            raise LoCoConfigError(f"{flag('param_bits')}{bits} cannot be used with {what}: {why}; "
+                                  f"drop one of the two.")
+
+
 def shared_settings() -> Tuple[str, ...]:
     """Fields every rank of a data-parallel group must agree on (``Setting.shared``)."""
     return tuple(name for name, s in SETTINGS.items() if s.shared)

@@ -11,7 +11,8 @@ import argparse
 import sys
 from types import SimpleNamespace
 
-from ..config import LoCoConfig, LoCoConfigError
+from ..config import (PARAM_BITS_CONFLICTS, LoCoConfig, LoCoConfigError,
+                      check_param_bits_conflicts)
 from .console import cli_exit_code
 from .flags import RaisingParser, add_loco_args, config_from_args
 from .yaml_config import expand_config_argv, load_config
@@ -28,18 +29,13 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
         LoCoConfigError: naming the conflicting flag.
     """
     _check_fsdp(args, config)
+    _check_param_gather(args, config)
     if config.params_enabled:
         from ..megatron.param_sync import check_ddp_config as check_param_config
 
         check_param_config(argparse.Namespace(
-            use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
-            fp8_param_gather=getattr(args, "fp8_param_gather", False),
-            fp4_param_gather=getattr(args, "fp4_param_gather", False)), gradient_dp_size(args))
-        if getattr(args, "use_precision_aware_optimizer", False) and gradient_dp_size(args) > 1:
-            raise LoCoConfigError(
-                f"--loco-param-bits {config.param_bits} needs megatron-core's fp32 main "
-                f"parameters; --use-precision-aware-optimizer keeps them inside the fused "
-                f"optimizer: drop one of the two.")
+            use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False)),
+            gradient_dp_size(args), config.param_bits)
     if not config.enabled:
         return
     if config.hierarchical:  # LOCAL_WORLD_SIZE from the launcher, at start-up
@@ -75,24 +71,17 @@ def gradient_dp_size(args) -> int:
     return max(dense, expert)
 
 
-#: Megatron-LM flags whose parameter all-gather (or main parameters) --loco-param-bits cannot
-#: replace: refused as early as the FSDP switches
-_PARAM_GATHER_FLAGS = (("fp8_param_gather", "--fp8-param-gather"),
-                       ("fp4_param_gather", "--fp4-param-gather"),
-                       ("use_precision_aware_optimizer", "--use-precision-aware-optimizer"))
+def _check_param_gather(args, config: LoCoConfig) -> None:
+    """Megatron-LM flags whose parameter all-gather (or fp32 main parameters)
+    ``--loco-param-bits`` cannot replace (``config.PARAM_BITS_CONFLICTS``): refused as early as the
+    FSDP switches."""
+    if config.params_enabled:
+        check_param_bits_conflicts(args, config.param_bits)
 
 
-def _check_param_gather_flags(args, config: LoCoConfig) -> None:
-    if not config.params_enabled:
-        return
-    for attr, flag in _PARAM_GATHER_FLAGS:
-        if getattr(args, attr, False):
-            raise LoCoConfigError(
-                f"--loco-param-bits {config.param_bits} cannot be used with {flag}: "
-                + ("the fused optimizer keeps the fp32 main parameters the weight differences are "
-                   "taken from" if attr == "use_precision_aware_optimizer" else
-                   "it all-gathers quantized parameters instead of the distributed optimizer's "
-                   "all-gather that LoCo compresses") + "; drop one of the two.")
+#: ``(dest, flag)`` of the Megatron-LM flags among those conflicts
+_PARAM_GATHER_FLAGS = tuple((attr, what) for attr, what, _ in PARAM_BITS_CONFLICTS
+                            if what.startswith("--"))
 
 
 _FSDP_FLAGS = (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-custom-fsdp"),
@@ -105,11 +94,6 @@ def _check_fsdp(args, config: LoCoConfig) -> None:
             raise LoCoConfigError(
                 f"--loco-bits {config.bits} cannot be used with {flag}: FSDP replaces "
                 f"megatron-core's DDP gradient buffers that LoCo compresses; drop one of the two.")
-        if config.params_enabled and getattr(args, attr, False):
-            raise LoCoConfigError(
-                f"--loco-param-bits {config.param_bits} cannot be used with {flag}: FSDP "
-                f"gathers parameters its own way, not through the distributed optimizer's "
-                f"all-gather that LoCo compresses; drop one of the two.")
 
 
 def preparse_loco_config(argv) -> LoCoConfig:
@@ -123,7 +107,7 @@ def preparse_loco_config(argv) -> LoCoConfig:
         LoCoConfigError: naming the flag (or the ``--yaml-cfg`` file and key).
     """
     parser = add_loco_args(RaisingParser(add_help=False, allow_abbrev=False))
-    for attr, flag in _FSDP_FLAGS + _PARAM_GATHER_FLAGS:
+    for attr, flag in dict(_FSDP_FLAGS + _PARAM_GATHER_FLAGS).items():
         parser.add_argument(flag, dest=attr, action="store_true")
     parser.add_argument("--yaml-cfg", dest="yaml_cfg", default=None)
     known, _ = parser.parse_known_args(argv)
@@ -134,7 +118,7 @@ def preparse_loco_config(argv) -> LoCoConfig:
     else:
         config = config_from_args(known)
     _check_fsdp(known, config)
-    _check_param_gather_flags(known, config)
+    _check_param_gather(known, config)
     return config
 
 

@@ -2,7 +2,8 @@
 
 ``plugin`` (install/uninstall: the wrapped ``start_grad_sync`` and DDP construction), ``compat``
 (every megatron-core version difference, 0.13-0.19), ``loss_scale`` (fp16 grad scalers),
-``report`` (start-up lines) and ``checkpoint/`` (LoCo state in the distributed optimizer's
+``report`` (start-up lines), ``param_sync`` (``--loco-param-bits``) and
+``checkpoint/`` (LoCo state in the distributed optimizer's
 checkpoints). Imports the core modules of :mod:`loco_megatron` only; never ``cli`` or
 ``training`` (docs/architecture.md).
 """

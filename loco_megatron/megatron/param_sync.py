@@ -14,9 +14,9 @@ megatron/core/optimizer/distrib_optimizer.py and distributed/param_and_grad_buff
     runs as stock for every parameter outside the buckets with weight differences on (their
     entries are hidden from its group lists while it runs); for each of those buckets, one at a
     time, the owner encodes ``Q(main - held)`` from the fp32 main parameters and keeps the
-    codes for the all-gather (every rank applies them there, the owner too). A bucket whose ``held``
-    may differ between replicas (the first step, any checkpoint load) first gets an exact
-    all-gather of ``held`` itself (stock bytes, once).
+    codes for the all-gather (every rank applies them there, the owner too). A bucket whose
+    ``held`` may differ between replicas (the first step, any checkpoint load) first gets an
+    exact all-gather of ``held`` itself (stock bytes, once).
 ``_ParamAndGradBucketGroup.start_param_sync``
     runs as stock, with the module global ``dist_all_gather_func`` pointing at a function that
     records which buckets have pending codes instead of gathering them; when the original
@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from .. import kernels, weight_difference
 from ..collectives import GroupWork, step_timer
-from ..config import LoCoConfig, LoCoConfigError, flag
+from ..config import LoCoConfig, LoCoConfigError, check_param_bits_conflicts, flag
 from ..layout import BucketLayout
 from ..patching import PatchSet
 from ..weight_difference import ParamGatherStats
@@ -157,27 +157,20 @@ class ParamSync:
             bits=self.config.param_bits, stats=self.stats, timers=timers)
 
 
-def check_ddp_config(ddp_config, dp_size: int) -> None:
+def check_ddp_config(ddp_config, dp_size: int, param_bits: Optional[int] = None) -> None:
     """Refuse DDP settings whose parameter all-gather LoCo cannot replace (LoCoConfigError
-    naming ``--loco-param-bits``); DP size 1 sends nothing and is never refused."""
+    naming ``--loco-param-bits``: :data:`~loco_megatron.config.PARAM_BITS_CONFLICTS`,
+    plain DDP and the layer-wise optimizer's path); DP size 1 sends nothing and is never
+    refused."""
     if dp_size <= 1:
         return
-    name = flag("param_bits")
-    if getattr(ddp_config, "use_megatron_fsdp", False) or getattr(ddp_config, "use_custom_fsdp",
-                                                                   False):
-        raise LoCoConfigError(f"{name} replaces the distributed optimizer's all-gather; megatron "
-                              f"FSDP gathers parameters its own way: drop {name} or FSDP.")
+    check_param_bits_conflicts(ddp_config, param_bits)
     if not ddp_config.use_distributed_optimizer:
+        name = flag("param_bits")
         raise LoCoConfigError(
             f"{name} needs the distributed optimizer (--use-distributed-optimizer): without it "
             f"there is no parameter all-gather (plain DDP) or it is the layer-wise optimizer's "
             f"variable-size gather, which LoCo does not compress; drop {name}.")
-    for attr, what in (("fp8_param_gather", "--fp8-param-gather"),
-                       ("fp4_param_gather", "--fp4-param-gather"),
-                       ("reuse_grad_buf_for_mxfp8_param_ag", "mxfp8 parameter all-gather")):
-        if getattr(ddp_config, attr, False):
-            raise LoCoConfigError(f"{name} sends bf16/fp32 weight differences; {what} gathers "
-                                  f"quantized parameters instead: choose one.")
 
 
 def _wrap_optimizer_init(orig, state):
@@ -187,11 +180,7 @@ def _wrap_optimizer_init(orig, state):
         sync = state.param_sync
         if getattr(self, "is_stub_optimizer", False) or not sync.buckets:
             return
-        if getattr(self.config, "use_precision_aware_optimizer", False):
-            raise LoCoConfigError(
-                f"{flag('param_bits')} needs megatron-core's fp32 main parameters; the "
-                f"precision-aware optimizer (--use-precision-aware-optimizer) keeps them inside "
-                f"the fused optimizer: drop one of the two.")
+        check_param_bits_conflicts(self.config, sync.config.param_bits)  # the precision-aware optimizer
         sync.fp32_copies += _separate_fp32_main_params(self, sync)
     return __init__
 
@@ -203,8 +192,7 @@ def _separate_fp32_main_params(opt, sync: ParamSync) -> int:
     copied, swaps = 0, {}
     for shard_group, model_group in zip(opt.shard_fp32_groups, opt.model_fp32_groups):
         for i, (shard, param) in enumerate(zip(shard_group, model_group)):
-            gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
-            if sync.entry(opt.buffers[gbuf_index].buckets[bucket_id]) is None:
+            if sync.entry(_bucket_of(opt, param)) is None:
                 continue
             copy = shard.detach().clone()
             copy.__dict__.update(shard.__dict__)  # tensor-parallel and optimizer attributes
@@ -214,6 +202,12 @@ def _separate_fp32_main_params(opt, sync: ParamSync) -> int:
     for group in opt.optimizer.param_groups:
         group["params"] = [swaps.get(id(p), p) for p in group["params"]]
     return copied
+
+
+def _bucket_of(opt, param):
+    """The bucket holding ``param`` (``model_param_gbuf_map``, distrib_optimizer.py 0.13-0.19)."""
+    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
+    return opt.buffers[gbuf_index].buckets[bucket_id]
 
 
 #: the distributed optimizer's (main shard, model parameter) group lists that
@@ -232,8 +226,7 @@ def _split_groups(opt, keys):
             shards.append([])
             models.append([])
             for main, param in zip(shard_group, model_group):
-                gbuf_index, _, bucket_id = opt.model_param_gbuf_map[param]
-                key = getattr(opt.buffers[gbuf_index].buckets[bucket_id], "loco_key", None)
+                key = getattr(_bucket_of(opt, param), "loco_key", None)
                 if key in mains:
                     world_range = opt._get_model_param_range_map(param)["gbuf_world_in_bucket"]
                     mains[key].append((main, world_range.start))
@@ -340,12 +333,9 @@ def _wrap_start_param_sync(orig, state):
             module.dist_all_gather_func = stock
         # outside megatron's _coalescing_manager: NCCL would group collectives issued inside
         # it until the block ends, and its wait() never waits on LoCo's handles
-        works = [w for w in (sync.gather(e, async_op) for e, async_op in requested)
-                 if w is not None]
-        if works:
-            self.param_gather_handle = GroupWork(
-                ([self.param_gather_handle] if self.param_gather_handle is not None else [])
-                + works)
+        works = [sync.gather(e, async_op) for e, async_op in requested]
+        if any(w is not None for w in works):  # GroupWork skips the None entries
+            self.param_gather_handle = GroupWork([self.param_gather_handle] + works)
         return result
     return start_param_sync
 

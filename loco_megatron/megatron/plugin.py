@@ -159,7 +159,7 @@ def _wrap_ddp_init(orig):
         if state.active:
             check_ddp_config(self.ddp_config, dp_size)
         if state.param_active:
-            param_sync.check_ddp_config(self.ddp_config, dp_size)
+            param_sync.check_ddp_config(self.ddp_config, dp_size, state.config.param_bits)
         chunk = state.num_chunks
         state.num_chunks += 1
         for buf_idx, buffer in enumerate(compat.ddp_buffers(self)):

@@ -80,13 +80,10 @@ def format_param_fields(fig: dict) -> str:
             f" loco param drift max/rms: {fig['drift_max']:.3E}/{fig['drift_rms']:.3E} |")
 
 
-def _write(fig, iteration: int, tags=None) -> None:
+def _write(values: dict, iteration: int) -> None:
+    """``{tag: value}`` to TensorBoard (last rank) and wandb, at ``iteration``."""
     from megatron.training import global_vars
 
-    if isinstance(fig, dict):
-        values = {tag: float(fig[name]) for name, tag in (tags or PARAM_TAGS).items()}
-    else:
-        values = {tag: float(getattr(fig, name)) for name, tag in (tags or TAGS).items()}
     writer = global_vars.get_tensorboard_writer()  # last rank only
     if writer is not None:
         for tag, value in values.items():
@@ -128,13 +125,15 @@ def _wrap_training_log(orig, module, state):
                 fig = state.metrics.reduce() if state.metrics is not None else None
                 if fig is not None:
                     message = message + format_fields(fig)
-                    _write(fig, iteration)
+                    _write({tag: float(getattr(fig, name)) for name, tag in TAGS.items()},
+                           iteration)
                 if state.param_active:
                     pfig = state.param_sync.stats.reduce(window[0])
                     window[0] = 0
                     if pfig is not None:
                         message = message + format_param_fields(pfig)
-                        _write(pfig, iteration, PARAM_TAGS)
+                        _write({tag: float(pfig[name]) for name, tag in PARAM_TAGS.items()},
+                               iteration)
             print_line(message)
 
         # for this call only: the iteration line and the timers' lists
