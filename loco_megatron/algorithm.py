@@ -7,8 +7,8 @@ rank, at optimizer step ``t`` (``g_t``: the local gradient; ``e``: the bucket's 
 
     0. reset       e_{t-1} = 0                  every ``reset_interval`` steps (paper: T)
     1. compensate  h_t = g_t + e_{t-1}
-    2. quantize    c_t = Q_b(h_t)               blockwise absmax, one fp32 scale per block;
-                                                c_t is what goes on the wire
+    2. quantize    c_t = Q_b(h_t)               blockwise absmax, one fp32 scale per block
+                                                (grid: --loco-grid); c_t goes on the wire
     3. error       e_t = beta * e_{t-1} + (1 - beta) * (h_t - deQ(c_t))
                                                 stored in int8 with a scale per block (or fp32)
     4. reduce      every rank sends each peer that peer's shard of c_t (all-to-all); each
@@ -36,7 +36,7 @@ import torch
 from .quantization import dequantize_blockwise, decode, pack_codes, quantize_blockwise
 
 
-def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
+def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symmetric"):
     """Steps 0-3 for one bucket: reset, compensate, quantize, error update.
 
     Args:
@@ -46,6 +46,9 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
             in place.
         bits: 4 or 8. beta: the moving-average factor. reset: step 0 applies this step.
         want_err_sq: also return the squared norm of this step's compression error (telemetry).
+        grid: the quantizer's grid for the sent codes, ``"symmetric"`` or ``"full-range"``
+            (:func:`~loco_megatron.quantization.divisor`); the error buffer's own int8 storage
+            is always symmetric (it is not sent).
 
     Returns:
         ``(payload uint8 [n * bits / 8], scales fp32 [n / block], non-finite blocks int32 [],
@@ -58,7 +61,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
         err.zero_()
     e_prev = err.get()
     h = table.layout.to_padded(g.view(-1), work) + e_prev  # step 1: compensate
-    codes, scales = quantize_blockwise(h, bits, block)  # step 2: quantize
+    codes, scales = quantize_blockwise(h, bits, block, grid)  # step 2: quantize
     scales = scales.float()  # as sent: the error is measured against what peers decode
     err_now = h - dequantize_blockwise(codes, scales, block, dtype=work)  # step 3: error update
     new = beta * e_prev + (1.0 - beta) * err_now if beta else err_now

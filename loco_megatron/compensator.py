@@ -67,6 +67,8 @@ class Compensator:
         self.last_nonfinite: Dict[Hashable, torch.Tensor] = {}
         #: a :class:`~loco_megatron.metrics.StepMetrics` fed by :meth:`compress`, or None (no cost)
         self.metrics = None
+        #: a :class:`~loco_megatron.drift_probe.DriftProbe` fed by :meth:`compress`, or None
+        self.probe = None
 
     # ---- per-bucket step counters: schedule resets and --loco-start-iter, saved in checkpoints
 
@@ -157,13 +159,15 @@ class Compensator:
             self.stats.resets += 1
         payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
             impl, g.reshape(-1), table, buf, bits=bits or cfg.bits, beta=cfg.beta, reset=reset,
-            want_err_sq=self.metrics is not None)
+            want_err_sq=self.metrics is not None, grid=cfg.grid)
         count = nonfinite.to(torch.int64)  # added on the device: no host sync
         self._nonfinite = count if self._nonfinite is None else self._nonfinite + count
         self.last_nonfinite[key] = nonfinite
         if self.metrics is not None:
             self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,
                                 nonfinite)
+        if self.probe is not None:  # the convergence study's instrument (drift_probe.py)
+            self.probe.observe(key, g, layout, payload, scales, bits or cfg.bits, cfg.block_size)
         if own_counter:
             self.set_step(key, step + 1)
         self.stats.calls += 1

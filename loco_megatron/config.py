@@ -19,6 +19,8 @@ from typing import Any, Dict, Optional, Tuple
 COMPRESSED_BITS = (4, 8)
 FULL_PRECISION_BITS = (16, 32)
 ERROR_DTYPES = ("int8", "fp32")
+#: values of ``--loco-grid``: the quantizer's code grid (loco_megatron/quantization.py)
+GRIDS = ("symmetric", "full-range")
 #: values of ``--loco-kernels`` (loco_megatron/kernels)
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 #: values of ``--loco-intra-node-bits``: 8 (compensated) or 16 (the grad buffer's own precision)
@@ -104,6 +106,20 @@ class LoCoConfig:
     """Elements per quantization block, each with one fp32 scale (``--loco-block-size``). Even,
     so 4-bit codes pack two per byte; wire overhead is ``32 / block_size`` bits per element."""
 
+    grid: str = _setting(
+        "symmetric", "--loco-grid",
+        "quantizer grid: symmetric (4-bit scale absmax/7) or full-range (/8)",
+        shared=True, checkpoint=RESET, choices=GRIDS)
+    """Code grid of the gradient quantizer ``Q_b`` (``--loco-grid``;
+    :mod:`loco_megatron.quantization`): ``symmetric`` (``scale = absmax / (2^(b-1) - 1)``, codes
+    in practice ``[-7, 7]`` for 4 bits: 15 levels, every element within half a step) or
+    ``full-range`` (``scale = absmax / 2^(b-1)``, codes ``[-8, 7]``: 16 levels and a finer step,
+    but a positive absmax element is clipped to code 7, 7/8 of its value; the error buffer
+    carries the rest), as the DeepSpeed LoCo kernel quantizes. Same wire bytes either way.
+    Applies to the gradient codes on the wire (both stages of ``--loco-hierarchical``), not to
+    the error buffer's int8 storage nor to the weight differences of ``--loco-param-bits``
+    (always symmetric). A change resets a checkpoint's error buffers on resume."""
+
     error_dtype: str = _setting(
         "int8", "--loco-error-dtype", "error-buffer storage: int8 (+ block scales) or fp32",
         shared=True, checkpoint=CONVERT, choices=ERROR_DTYPES)
@@ -183,6 +199,10 @@ class LoCoConfig:
                 f"[2, {MAX_BLOCK_SIZE}] (4-bit codes are packed two per byte; blocks are padded "
                 f"at every parameter and shard boundary); 256 is the default."
             )
+        if self.grid not in GRIDS:
+            raise LoCoConfigError(
+                f"{flag('grid')} {self.grid!r} is not one of {GRIDS} (symmetric: scale "
+                f"absmax/7 for 4 bits; full-range: absmax/8, DeepSpeed's LoCo kernel).")
         if self.start_iter < 0:
             raise LoCoConfigError(
                 f"{flag('start_iter')} {self.start_iter} must be a non-negative integer "

@@ -1,10 +1,20 @@
-"""Blockwise symmetric absmax quantizer ``Q_b`` / ``deQ`` and 4-bit packing (torch reference).
+"""Blockwise absmax quantizer ``Q_b`` / ``deQ`` and 4-bit packing (torch reference).
 
-LoCo's ``Q_b`` (loco_megatron/algorithm.py, step 2): ``scale = absmax(block) / (2^(b-1) - 1)``
-(at most :func:`max_scale`), ``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest (ties to even, as
-``torch.round``). An all-zero block gets scale 0 and codes 0, never NaN. Scales are fp32 (wire
-overhead ``32 / block_size`` bits per element). 4-bit codes are stored as two's-complement
-nibbles, two per byte (element ``2i`` in the low nibble, ``2i+1`` in the high nibble).
+LoCo's ``Q_b`` (loco_megatron/algorithm.py, step 2): ``scale = absmax(block) / D`` (at most
+:func:`max_scale`), ``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest
+(ties to even, as ``torch.round``). The divisor ``D`` (:func:`divisor`) is the grid
+(``--loco-grid``, :data:`~loco_megatron.config.GRIDS`):
+
+* ``symmetric`` (default): ``D = 2^(b-1) - 1`` (7 for 4 bits, 127 for 8): the codes span
+  ``[-7, 7]`` in practice (15 levels) and every element is within half a step, ``scale / 2``;
+* ``full-range`` (the DeepSpeed LoCo kernel's): ``D = 2^(b-1)`` (8, 128): codes ``[-8, 7]``
+  (16 levels), a step 7/8 as large, but a positive absmax element rounds to 8 and is clipped
+  to 7 (7/8 of its value: an error of up to ``scale = absmax / 8``).
+
+The clamp range is the same for both; decoding is ``codes * scale`` for both. An all-zero block
+gets scale 0 and codes 0, never NaN. Scales are fp32 (wire overhead ``32 / block_size`` bits per
+element). 4-bit codes are stored as two's-complement nibbles, two per byte (element ``2i`` in
+the low nibble, ``2i+1`` in the high nibble).
 
 Works on CPU and CUDA tensors of any float dtype; all arithmetic is in fp32 (fp64 input stays
 fp64 so exact identities can be tested).
@@ -15,7 +25,7 @@ from typing import Tuple
 
 import torch
 
-from .config import COMPRESSED_BITS
+from .config import COMPRESSED_BITS, GRIDS
 
 
 def _check_bits(bits: int) -> None:
@@ -29,13 +39,29 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
+def _check_grid(grid: str) -> None:
+    if grid not in GRIDS:
+        raise ValueError(f"grid={grid!r} is not one of {GRIDS}")
+
+
+def divisor(bits: int, grid: str = "symmetric") -> int:
+    """The scale's divisor ``D`` (``scale = absmax / D``): ``2^(bits-1) - 1`` for ``symmetric``
+    (7, 127), ``2^(bits-1)`` for ``full-range`` (8, 128). Also the largest code magnitude a
+    block's values reach (the full-range absmax element rounds to ``D`` before the clamp)."""
+    _check_bits(bits)
+    _check_grid(grid)
+    return 2 ** (bits - 1) if grid == "full-range" else qmax(bits)
+
+
 @lru_cache(maxsize=None)
-def max_scale(bits: int) -> float:
-    """Largest fp32 scale whose ``qmax(bits) * scale`` is finite in fp32 (4 bits:
-    ``RN(FLT_MAX / 7)``; 8 bits: one ulp below ``RN(FLT_MAX / 127)``, whose product rounds to
-    inf). Blocks with ``|x|`` near FLT_MAX get this scale, so finite input never decodes to inf
-    (the codes then clamp at ``qmax``; the error stays within ``scale / 2`` up to rounding)."""
-    q = torch.tensor(float(qmax(bits)), dtype=torch.float32)
+def max_scale(bits: int, grid: str = "symmetric") -> float:
+    """Largest fp32 scale whose ``divisor(bits, grid) * scale`` is finite in fp32 (4 bits
+    symmetric: ``RN(FLT_MAX / 7)``; 8 bits symmetric: one ulp below ``RN(FLT_MAX / 127)``,
+    whose product rounds to inf; full-range: ``FLT_MAX / 8`` or ``/ 128`` exactly, which
+    ``absmax / D`` never exceeds). Blocks with ``|x|`` near FLT_MAX get this scale, so finite
+    input never decodes to inf (the codes then clamp; the error stays within ``scale / 2`` up to
+    rounding, and the clipped full-range absmax within ``scale``)."""
+    q = torch.tensor(float(divisor(bits, grid)), dtype=torch.float32)
     s = torch.tensor(torch.finfo(torch.float32).max, dtype=torch.float32) / q
     while not torch.isfinite(s * q):
         s = torch.nextafter(s, torch.zeros_like(s))
@@ -47,13 +73,16 @@ def padded_numel(numel: int, block_size: int) -> int:
     return -(-numel // block_size) * block_size
 
 
-def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a flat tensor blockwise (symmetric absmax, round-to-nearest).
+def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int, grid: str = "symmetric"
+                       ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a flat tensor blockwise (absmax, round-to-nearest).
 
     Args:
         x: 1-D float tensor of any length (padded with zeros to whole blocks internally).
         bits: 4 or 8.
         block_size: elements per block (even for 4 bits).
+        grid: ``"symmetric"`` (``scale = absmax / (2^(b-1) - 1)``) or ``"full-range"``
+            (``absmax / 2^(b-1)``); :func:`divisor`.
 
     Returns:
         ``(codes, scales)``: ``codes`` int8 of shape ``[nblocks * block_size]`` with values in
@@ -61,9 +90,10 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int) -> Tuple[tor
         if ``x`` is fp64). Non-finite input gives non-finite scales (callers check first).
 
     Raises:
-        ValueError: unsupported ``bits`` or a non-1-D input.
+        ValueError: unsupported ``bits`` or ``grid``, or a non-1-D input.
     """
     _check_bits(bits)
+    _check_grid(grid)
     if x.dim() != 1:
         raise ValueError(f"quantize_blockwise expects a flat tensor, got shape {tuple(x.shape)}")
     work_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -75,10 +105,11 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int) -> Tuple[tor
     # IEEE division by a tensor, not by a Python number: CUDA computes tensor / CPU scalar as a
     # multiplication by the fp32 reciprocal (about half of all 4-bit scales one ulp off the
     # division the fused kernels do; loco_megatron/kernels promises them bit for bit)
-    scales = xb.abs().amax(dim=1) / torch.full((), qmax(bits), dtype=work_dtype, device=x.device)
+    scales = xb.abs().amax(dim=1) / torch.full((), divisor(bits, grid), dtype=work_dtype,
+                                               device=x.device)
     if work_dtype == torch.float32:  # |x| near FLT_MAX: a scale whose codes decode finite
-        scales = torch.where((scales > max_scale(bits)) & (scales < float("inf")),
-                             max_scale(bits), scales)
+        smax = max_scale(bits, grid)
+        scales = torch.where((scales > smax) & (scales < float("inf")), smax, scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(xb / safe.unsqueeze(1)).clamp_(-(qmax(bits) + 1), qmax(bits))
     return codes.to(torch.int8).view(-1), scales
@@ -121,13 +152,15 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
 
 
-def encode(x: torch.Tensor, bits: int, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize and pack for the wire: returns ``(payload uint8, scales fp32)``.
+def encode(x: torch.Tensor, bits: int, block_size: int, grid: str = "symmetric"
+           ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize (on ``grid``, :func:`quantize_blockwise`) and pack for the wire: returns
+    ``(payload uint8, scales fp32)``.
 
     The payload holds ``nblocks * block_size * bits / 8`` bytes (4-bit packed, 8-bit codes
-    reinterpreted as uint8).
+    reinterpreted as uint8), whatever the grid; :func:`decode` needs no grid.
     """
-    codes, scales = quantize_blockwise(x, bits, block_size)
+    codes, scales = quantize_blockwise(x, bits, block_size, grid)
     return pack_codes(codes, bits), scales.float()
 
 

@@ -20,8 +20,11 @@ next step's ``new - held`` (error feedback without a buffer) and, elementwise,
 
     |main - held| <= scale / 2 + ulp_dtype(held) / 2        (scale: the block's, last step)
 
-up to the fp32 rounding of ``d`` and of ``held + deQ(c)``: it never accumulates. Blocks follow
-the bucket's :class:`~loco_megatron.layout.BucketLayout` (cut at shard and parameter
+up to the fp32 rounding of ``d`` and of ``held + deQ(c)``: it never accumulates. ``Q_b`` here
+is always the ``symmetric`` grid, whatever ``--loco-grid`` says for gradients: the bound needs
+every element within half a step, which ``full-range`` breaks (its clipped absmax element is a
+whole step off). Blocks follow the bucket's :class:`~loco_megatron.layout.BucketLayout` (cut
+at shard and parameter
 boundaries, so a tensor-parallel-replicated parameter is quantized alike on every TP rank); each
 rank's chunk on the wire is padded to the largest shard's, so the all-gather is even:
 ``bits * padded_shard / 8 + 4 * padded_shard / block`` bytes per rank instead of
@@ -102,7 +105,8 @@ def encode_difference(impl: str, diff: torch.Tensor, layout: BucketLayout, rank:
     table = kernels.block_table(lay, diff.device if impl != "torch" else "cpu")
     scratch = ErrorBuffer(lay.padded_shard, lay.block_size, "fp32", torch.float32, diff.device)
     payload, scales, *_ = kernels.compress_bucket(impl, diff, table, scratch, bits=bits, beta=0.0,
-                                                  reset=True, want_err_sq=False)
+                                                  reset=True, want_err_sq=False,
+                                                  grid="symmetric")  # whatever --loco-grid says
     del scratch
     nbytes, nscales = chunk_shape(layout, bits)
     out_p = torch.zeros(nbytes, dtype=torch.uint8, device=diff.device)

@@ -5,7 +5,8 @@ docs/kernels.md; the arithmetic they implement: loco_megatron/algorithm.py.
 The hot path of LoCo has two halves, each a single pass over the data:
 
 * **compress** (:func:`compress_bucket`): for every quantization block of a bucket, compensate
-  (``h = g + e``), quantize and pack (``Q_b(h)``: codes and one fp32 scale), and update the error
+  (``h = g + e``), quantize and pack (``Q_b(h)``: codes and one fp32 scale, on the ``symmetric``
+  or ``full-range`` grid of ``--loco-grid``), and update the error
   buffer (``e = beta * e + (1 - beta) * (h - deQ(Q_b(h)))``, stored as int8 + fp32 scale per
   block, or fp32);
 * **decompress** (:func:`decompress_shard`): unpack and dequantize the ``world`` chunks received
@@ -22,8 +23,9 @@ Implementations (``--loco-kernels``, :attr:`~loco_megatron.config.LoCoConfig.ker
 ``auto``    ``triton`` for CUDA tensors when Triton imports, ``cpu`` for CPU tensors when the C
             library builds, else ``torch``; fp64 always ``torch``.
 
-All three give the same codes and scales bit for bit and the same error buffer (the same IEEE
-fp32 operations in the same order, no FMA contraction, round-half-to-even); the decompressed
+All three give the same codes and scales bit for bit and the same error buffer, on either grid
+(the same IEEE fp32 operations in the same order, no FMA contraction, round-half-to-even; the
+grid only changes the scale's divisor: 7 or 8 for 4 bits, 127 or 128 for 8); the decompressed
 sums agree within fp32 rounding. A non-finite block (a NaN or inf in ``h = g + e``) skips its
 error update: it keeps its previous error (zero on a reset step), so no NaN/inf ever enters an
 error buffer, and it is counted on the device (no host sync); its values are still sent (the
@@ -79,7 +81,7 @@ def _module(impl: str):
 
 
 def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits: int,
-                    beta: float, reset: bool, want_err_sq: bool
+                    beta: float, reset: bool, want_err_sq: bool, grid: str = "symmetric"
                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                Optional[torch.Tensor]]:
     """Compensate, quantize, pack and update the error of one bucket in one pass.
@@ -95,6 +97,11 @@ def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits:
         beta: error moving-average factor in [0, 1).
         reset: treat the stored error as zero (a reset step).
         want_err_sq: also return ``||h - deQ(Q(h))||^2`` (telemetry).
+        grid: the code grid of ``Q`` (``--loco-grid``): ``"symmetric"``, scale
+            ``absmax / (2^(b-1) - 1)``, or ``"full-range"``, scale ``absmax / 2^(b-1)``; codes
+            clamped to ``[-2^(b-1), 2^(b-1) - 1]`` either way
+            (:func:`~loco_megatron.quantization.quantize_blockwise`). The int8 error storage is
+            symmetric whatever the grid; decompression needs no grid (``codes * scale``).
 
     Returns:
         ``(payload, scales, nonfinite, err_sq, buf_sq)``: uint8 ``[padded_numel * bits / 8]``,
@@ -105,7 +112,7 @@ def compress_bucket(impl: str, g: torch.Tensor, table: BlockTable, err, *, bits:
         storage, with ``want_err_sq``) else None. All on ``g``'s device; no host sync.
     """
     return _module(impl).compress_bucket(g, table, err, bits=bits, beta=beta, reset=reset,
-                                         want_err_sq=want_err_sq)
+                                         want_err_sq=want_err_sq, grid=grid)
 
 
 def decompress_shard(impl: str, payload: torch.Tensor, scales: torch.Tensor, table: BlockTable,

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ..quantization import max_scale
+from ..quantization import divisor, max_scale
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _load():
     lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
                                   ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                                  _P, _P]
+                                  ctypes.c_float, _P, _P]
     lib.loco_decompress.restype = ctypes.c_int
     lib.loco_decompress.argtypes = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
@@ -124,7 +124,7 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else _P(t.data_ptr())
 
 
-def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
+def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symmetric"):
     """C implementation of :func:`loco_megatron.kernels.compress_bucket`."""
     lib, _ = _load()
     g = g.reshape(-1).contiguous()
@@ -142,7 +142,8 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
                            _ptr(err.codes if int8 else None), _ptr(err.scales if int8 else None),
                            _ptr(None if int8 else err.values), _ptr(payload), _ptr(scales),
                            float(beta), 1.0 - float(beta), int(beta != 0), int(reset),
-                           max_scale(bits), _ptr(err_sq), _ptr(buf_sq))
+                           max_scale(bits, grid), float(divisor(bits, grid)), _ptr(err_sq),
+                           _ptr(buf_sq))
     if rc < 0:
         raise MemoryError("loco_compress: out of memory for a block workspace")
     if buf_sq is not None and float(buf_sq) < 0:  # fp32 storage: not computed in C

@@ -39,14 +39,16 @@ static float clamp_code(float r, float lo, float hi) {
  * g: fp32 (or bf16 when g_bf16) bucket; src/len: block table; err: int8 codes + fp32 scale per block (err_int8) or
  * fp32 values. Writes payload (bits 4: two codes per byte, even element in the low nibble; bits
  * 8: int8 codes), scales, the error, *err_sq (sum of (h - deQ)^2, may be NULL) and *buf_sq
- * (||e||^2 of the stored int8 error, -1 for fp32 storage; may be NULL). A non-finite block
+ * (||e||^2 of the stored int8 error, -1 for fp32 storage; may be NULL). The scale is
+ * amax / qdiv (the grid: 2^(bits-1) - 1 symmetric, 2^(bits-1) full-range), at most smax; codes
+ * are clamped to [-2^(bits-1), 2^(bits-1) - 1] on either grid. A non-finite block
  * (NaN/inf in h) is still encoded (its scale carries the NaN/inf) but keeps its previous error
  * (zero on a reset step) and adds nothing to *err_sq. Returns the number of non-finite blocks,
  * -1 when out of memory. */
 int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *len, int64_t nblocks,
                   int B, int bits, int err_int8, int8_t *ecodes, float *escales, float *evalues,
                   uint8_t *payload, float *scales, float beta, float omb, int use_beta,
-                  int reset, float smax, double *err_sq, double *buf_sq) {
+                  int reset, float smax, float qdiv, double *err_sq, double *buf_sq) {
   float *h = malloc(sizeof(float) * 3 * (size_t)B);
   if (!h) return -1;
   float *e = h + B, *q = h + 2 * B;
@@ -75,8 +77,9 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32
     const int nan = abits > 0x7F800000u;
     const float amax = bits_to_float(abits);
     const int bad = nan || amax > FLT_MAX;
-    /* smax: the largest scale whose qmax * scale is finite (quantization.max_scale) */
-    const float scale = nan ? NAN : (!bad && amax / qmax > smax ? smax : amax / qmax);
+    /* qdiv: the grid's divisor (quantization.divisor: qmax symmetric, qmax + 1 full-range);
+     * smax: the largest scale whose qdiv * scale is finite (quantization.max_scale) */
+    const float scale = nan ? NAN : (!bad && amax / qdiv > smax ? smax : amax / qdiv);
     nonfinite += bad;
     const float safe = scale > 0.f ? scale : 1.f;
     scales[b] = scale;

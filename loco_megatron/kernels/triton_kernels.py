@@ -20,7 +20,7 @@ try:
 except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
-from ..quantization import max_scale
+from ..quantization import divisor, max_scale
 
 ROWS = 8  # blocks per program
 
@@ -66,9 +66,9 @@ if triton is not None:
     def _compress_kernel(g_ptr, src_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr, evalues_ptr,
                          payload_ptr, scales_ptr, flag_ptr, errsq_ptr, bufsq_ptr, beta, omb, smax,
                          B: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
-                         BITS: tl.constexpr, INT8_ERR: tl.constexpr, RESET: tl.constexpr,
-                         USE_BETA: tl.constexpr, ERRSQ: tl.constexpr):
-        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+                         BITS: tl.constexpr, DIV: tl.constexpr, INT8_ERR: tl.constexpr,
+                         RESET: tl.constexpr, USE_BETA: tl.constexpr, ERRSQ: tl.constexpr):
+        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1  # codes in [-QMAX - 1, QMAX] on either grid
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = rows < nblocks
         src = tl.load(src_ptr + rows, mask=rmask, other=0)
@@ -99,7 +99,7 @@ if triton is not None:
         amax = tl.maximum(tl.max(tl.abs(he), axis=1), tl.max(tl.abs(ho), axis=1))
         nan = tl.max(((he != he) | (ho != ho)).to(tl.int32), axis=1)
         bad = (nan > 0) | (amax > 3.4028234663852886e38)
-        scale = tl.math.div_rn(amax, QMAX * 1.0)
+        scale = tl.math.div_rn(amax, DIV * 1.0)  # DIV: the grid's divisor (QMAX or QMAX + 1)
         scale = tl.where(nan > 0, float("nan"), tl.where(~bad & (scale > smax), smax, scale))
         safe = tl.where(scale > 0, scale, 1.0)[:, None]
         qe = _codes(he, safe, -QMAX - 1.0, QMAX * 1.0)
@@ -197,7 +197,7 @@ def _half(block_size: int) -> int:
     return triton.next_power_of_2(block_size // 2)
 
 
-def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
+def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symmetric"):
     """Triton implementation of :func:`loco_megatron.kernels.compress_bucket`."""
     dev = g.device
     g = g.reshape(-1)
@@ -217,10 +217,10 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq):
         err.codes if int8 else dummy, err.scales if int8 else dummy,
         dummy if int8 else err.values,
         payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq, bufsq,
-        float(beta), 1.0 - float(beta), max_scale(bits),
+        float(beta), 1.0 - float(beta), max_scale(bits, grid),
         B=table.block_size, HALF=_half(table.block_size), ROWS=ROWS, BITS=bits,
-        INT8_ERR=int8, RESET=bool(reset), USE_BETA=beta != 0, ERRSQ=bool(want_err_sq),
-        enable_fp_fusion=False)
+        DIV=divisor(bits, grid), INT8_ERR=int8, RESET=bool(reset), USE_BETA=beta != 0,
+        ERRSQ=bool(want_err_sq), enable_fp_fusion=False)
     nonfinite = flag[0]
     err_sq = buf_sq = None
     if want_err_sq:

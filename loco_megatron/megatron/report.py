@@ -149,7 +149,9 @@ def log_loco_startup(state, args, emulated: bool) -> None:
         print_rank_0(
             f"> LoCo active: {cfg.bits}-bit compensated reduce-scatter, block {cfg.block_size}, "
             f"err-beta {cfg.beta}, reset every {cfg.reset_interval} steps, error storage "
-            f"{cfg.error_dtype}; {_kernels_note(cfg, emulated)}; on {where}"
+            f"{cfg.error_dtype}"
+            + (f", quantizer grid {cfg.grid}" if cfg.grid != "symmetric" else "")  # --loco-grid
+            + f"; {_kernels_note(cfg, emulated)}; on {where}"
             + (f"; hierarchical: intra-node stage "
                f"{'full precision' if cfg.intra_node_bits == 16 else '8-bit compensated'}, "
                f"inter-node stage {cfg.bits}-bit, nodes of LOCAL_WORLD_SIZE="

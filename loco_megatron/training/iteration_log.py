@@ -21,10 +21,12 @@ Definitions, groups and cost: docs/telemetry.md.
 
 import functools
 import inspect
+import os
 import sys
 from typing import Optional
 
 from ..collectives import TIMER_NAMES
+from ..drift_probe import DriftProbe
 from ..weight_difference import TIMER_NAMES as PARAM_TIMER_NAMES
 from ..metrics import LoCoFigures
 from ..megatron import plugin
@@ -115,6 +117,8 @@ def _wrap_training_log(orig, module, state):
             return orig(*args, **kwargs)  # LoCo uninstalled since
         if state.metrics is not None:
             state.metrics.end_step()
+        if state.active and state.compensator.probe is not None:
+            state.compensator.probe.end_step()
         window[0] += 1
         iteration = signature.bind(*args, **kwargs).arguments["iteration"]
         print_line = module.print_rank_last
@@ -185,6 +189,8 @@ def install(state: Optional["plugin.LoCoState"] = None) -> bool:
             f"Megatron-LM checkout on PYTHONPATH): {e}") from e
     if state.active:
         state.enable_metrics()
+        # the convergence study's instrument, off unless $LOCO_DRIFT_PROBE names a folder
+        state.compensator.probe = DriftProbe.from_env(int(os.environ.get("RANK", "0")))
     state.timers = megatron_timers
     if state.param_active:
         state.param_sync.timers = megatron_timers
@@ -204,5 +210,5 @@ def uninstall() -> None:
     patches.restore()  # PatchError when replaced again since: still installed
     state.metrics = state.timers = None
     if state.compensator is not None:
-        state.compensator.metrics = None
+        state.compensator.metrics = state.compensator.probe = None
     _INSTALLED = None

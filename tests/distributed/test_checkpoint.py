@@ -118,10 +118,12 @@ def test_resume_policy_warnings(saved):
     for fmt in FORMATS:
         jobs += [_load(saved["plain"], fmt, steps=1), _load(saved["dp2"], fmt, {"bits": 16}, 1),
                  _load(saved["dp2"], fmt, dict(LOCO4, bits=8), 1),
-                 _load(saved["dp2"], fmt, dict(LOCO4, block_size=128), 1)]
+                 _load(saved["dp2"], fmt, dict(LOCO4, block_size=128), 1),
+                 _load(saved["dp2"], fmt, dict(LOCO4, grid="full-range"), 1)]
         expect += ["has no LoCo state (saved without LoCo); error buffers start from zero",
                    "holds LoCo error buffers but LoCo is off (--loco-bits 16); they are ignored",
-                   "bits changed 4 -> 8", "block_size changed 64 -> 128"]
+                   "bits changed 4 -> 8", "block_size changed 64 -> 128",
+                   "grid changed symmetric -> full-range"]
     results = run_ranks(ckpt_worker, 2, 1, jobs + [_load(saved["dp2"], f, None, 1) for f in FORMATS])
     for r0 in results[0][len(jobs):]:  # stock megatron-core (no loco_megatron) loads them too
         assert "error" not in r0 and len(r0["losses"]) == 1 and r0["logs"] == []

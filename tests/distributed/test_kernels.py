@@ -22,7 +22,7 @@ from loco_megatron import kernels
 from loco_megatron.kernels.triton_kernels import triton_interpret as tk_interpret
 from loco_megatron.collectives import compensated_reduce_scatter
 from loco_megatron.compensator import Compensator, ErrorBuffer
-from loco_megatron.config import LoCoConfig
+from loco_megatron.config import GRIDS, LoCoConfig
 from loco_megatron.layout import BucketLayout
 
 try:
@@ -52,7 +52,7 @@ def _device(impl):
     return "cuda" if impl == "triton" and not tk_interpret() else "cpu"
 
 
-def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None):
+def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None, grid="symmetric"):
     """Per step: payload, scales, nonfinite flag, err_sq and the decoded error buffer (on CPU)."""
     dev = _device(impl)
     layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], block, LAYOUT["boundaries"])
@@ -66,7 +66,8 @@ def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None):
             g[1234] = bad
         g = g.to(dev)
         payload, scales, nonfinite, err_sq, buf_sq = kernels.compress_bucket(
-            impl, g, table, err, bits=bits, beta=beta, reset=step == 1, want_err_sq=True)
+            impl, g, table, err, bits=bits, beta=beta, reset=step == 1, want_err_sq=True,
+            grid=grid)
         if buf_sq is not None:  # computed on the way: the stored buffer's norm (fp32 decode)
             ref = float(err.get().double().square().sum())
             assert abs(float(buf_sq) - ref) <= 1e-6 * max(ref, 1e-30), (float(buf_sq), ref)
@@ -88,6 +89,31 @@ def test_compress_bit_exact(impl, bits, storage, dtype):
         assert torch.equal(r[4], g[4]), f"step {step}: error buffer differs"
         assert not r[2] and not g[2]
         assert abs(r[3] - g[3]) <= 1e-5 * r[3]  # fp32 dot (reference) vs per-block sums
+
+
+@pytest.mark.parametrize("impl", FUSED)
+@pytest.mark.parametrize("bits,storage,dtype", [
+    (4, "int8", torch.float32), (8, "int8", torch.float32), (4, "fp32", torch.bfloat16),
+    (8, "int8", torch.bfloat16)])
+def test_compress_grid_bit_exact(impl, bits, storage, dtype):
+    """--loco-grid full-range (scale absmax / 2^(b-1)): codes, scales and error buffer equal the
+    reference's bit for bit, and differ from the symmetric grid's (the grid reaches the kernel:
+    every scale is 7/8 (127/128) of the symmetric one, up to rounding)."""
+    ref = _run("torch", bits, storage, dtype, 64, 0.8, grid="full-range")
+    got = _run(impl, bits, storage, dtype, 64, 0.8, grid="full-range")
+    sym = _run(impl, bits, storage, dtype, 64, 0.8)
+    for step, (r, g, s) in enumerate(zip(ref, got, sym)):
+        assert torch.equal(r[0], g[0]), f"step {step}: payload differs"
+        assert torch.equal(r[1], g[1]), f"step {step}: scales differ"
+        assert torch.equal(r[4], g[4]), f"step {step}: error buffer differs"
+        assert not r[2] and not g[2]
+        assert abs(r[3] - g[3]) <= 1e-5 * r[3]
+        assert not torch.equal(g[0], s[0]), f"step {step}: full-range codes = symmetric codes"
+        nonzero = s[1] > 0
+        assert nonzero.any() and (g[1][nonzero] < s[1][nonzero]).all(), f"step {step}"
+        d = 2 ** (bits - 1)
+        if step == 1:  # a reset step: h = g on both grids, so the scales' absmax is the same
+            torch.testing.assert_close(g[1] * d, s[1] * (d - 1), rtol=2e-7, atol=0)
 
 
 @pytest.mark.parametrize("impl", FUSED)
@@ -211,8 +237,8 @@ sig = {"g_ptr": "*bf16", "src_ptr": "*i64", "len_ptr": "*i32", "nblocks": "i32",
        "ecodes_ptr": "*i8", "escales_ptr": "*fp32", "evalues_ptr": "*fp32", "payload_ptr": "*u8",
        "scales_ptr": "*fp32", "flag_ptr": "*i32", "errsq_ptr": "*fp32", "bufsq_ptr": "*fp32",
        "beta": "fp32", "omb": "fp32", "smax": "fp32"}
-consts = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "INT8_ERR": True, "RESET": False,
-          "USE_BETA": True, "ERRSQ": True}
+consts = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "DIV": 7, "INT8_ERR": True,
+          "RESET": False, "USE_BETA": True, "ERRSQ": True}
 sig.update({k: "constexpr" for k in consts})
 sig2 = {"payload_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "src_ptr": "*i64",
         "len_ptr": "*i32", "nbs": "i32", "first": "i32", "out_base": "i64", "world": "i32"}
@@ -308,7 +334,8 @@ def _random_case(seed):
     return dict(layout=layout, bits=pick([4, 8]), storage=pick(["int8", "fp32"]), dtype=dtype,
                 beta=pick([0.0, 0.5, 0.8, 0.999]), kind=kind, seed=seed,
                 bad=(int(torch.randint(numel, (1,), generator=gen)),
-                     pick([float("nan"), float("inf"), -float("inf")])) if seed % 4 == 3 else None)
+                     pick([float("nan"), float("inf"), -float("inf")])) if seed % 4 == 3 else None,
+                grid=pick(GRIDS))  # drawn last: the other draws of a seed are unchanged
 
 
 def _values(kind, n, gen):
@@ -334,7 +361,7 @@ def _run_case(impl, case, steps=4):
             g[case["bad"][0]] = case["bad"][1]
         p, s, nf, _, _ = kernels.compress_bucket(impl, g.to(dev), table, err, bits=case["bits"],
                                                  beta=case["beta"], reset=step == 2,
-                                                 want_err_sq=True)
+                                                 want_err_sq=True, grid=case["grid"])
         out.append((p.cpu(), s.cpu(), bool(nf), {k: v.cpu().clone() for k, v in
                                                   err.tensors().items()}, err.get().cpu()))
     return out
@@ -350,8 +377,8 @@ def _same_bits(a, b):
     "triton", range(24), marks=TRITON_MARKS)])
 def test_compress_randomized_differential(impl, seeds):
     """Codes, scales (bit patterns: -0.0, denormals) and the stored error buffer equal the
-    reference's over random layouts and value families, reset steps and beta 0; in a non-finite
-    step the bad block's kept error too, but not the payload: the codes of a NaN block are not
+    reference's over random layouts and value families, both grids (--loco-grid), reset steps
+    and beta 0; in a non-finite step the bad block's kept error too, but not the payload: the codes of a NaN block are not
     defined (the reference converts NaN to int8). Triton under the interpreter skips bf16 denormals: the interpreter's
     bf16 -> fp32 conversion flushes them (a GPU's ``cvt.f32.bf16`` is exact)."""
     for seed in seeds:

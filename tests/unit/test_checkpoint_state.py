@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loco_megatron.config import LoCoConfig
-from loco_megatron.megatron.checkpoint.state import OptimizerLoCo
+from loco_megatron.config import CONVERT, GRIDS, RESET, LoCoConfig, fingerprint, fingerprint_fields
+from loco_megatron.megatron.checkpoint.state import LEGACY_FINGERPRINT, OptimizerLoCo, saved_setting
 from loco_megatron.megatron.plugin import LoCoState
 
 BLOCK = 64
@@ -83,6 +83,56 @@ def test_changed_bits_or_block_resets_with_warning():
     assert len(notes) == 1 and "bits changed 4 -> 8" in notes[0] and "reset" in notes[0]
     assert not other.state.compensator.errors
     assert other.state.compensator.stats.steps == view.state.compensator.stats.steps
+
+
+def test_changed_grid_resets_with_warning():
+    """--loco-grid is a RESET setting: errors of one grid are not carried to the other."""
+    view = _view(LoCoConfig(bits=4, block_size=BLOCK))
+    _train(view, range(2))
+    other = _view(LoCoConfig(bits=4, block_size=BLOCK, grid="full-range"))
+    notes = other.load_state_dict(_saved(view), "ckpt")
+    assert notes == ["LoCo: grid changed symmetric -> full-range since ckpt; error buffers reset "
+                     "to zero"]
+    assert not other.state.compensator.errors
+    assert other.state.compensator.stats.steps == view.state.compensator.stats.steps
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_checkpoint_saved_before_the_grid_setting_counts_as_symmetric(grid):
+    """A fingerprint without ``grid`` (saved before --loco-grid existed) was saved on the
+    symmetric grid (LEGACY_FINGERPRINT): resumed bit for bit under symmetric, reset with the
+    warning under full-range."""
+    assert LEGACY_FINGERPRINT["grid"] == "symmetric" == LoCoConfig().grid
+    view = _view(LoCoConfig(bits=4, block_size=BLOCK))
+    _train(view, range(2))
+    state = _saved(view)
+    del state["meta"]["fingerprint"]["grid"]
+    resumed = _view(LoCoConfig(bits=4, block_size=BLOCK, grid=grid))
+    notes = resumed.load_state_dict(state, "ckpt")
+    errors, saved = resumed.state.compensator.errors, view.state.compensator.errors
+    if grid == "symmetric":
+        assert notes == []
+        assert errors.keys() == saved.keys() and errors
+        for key, buf in saved.items():
+            assert torch.equal(errors[key].codes, buf.codes)
+            assert torch.equal(errors[key].scales, buf.scales)
+    else:
+        assert notes == ["LoCo: grid changed symmetric -> full-range since ckpt; error buffers "
+                         "reset to zero"]
+        assert not errors
+    assert resumed.state.compensator.stats.steps == view.state.compensator.stats.steps
+
+
+def test_legacy_fingerprint_covers_every_later_setting():
+    """RESET/CONVERT settings added to the fingerprint after format version 1 was first written
+    need a legacy value (else old checkpoints would read them as None: a spurious reset or
+    conversion); the first checkpoints recorded bits, block_size and error_dtype."""
+    effective = set(fingerprint_fields(RESET) + fingerprint_fields(CONVERT))
+    assert effective - {"bits", "block_size", "error_dtype"} <= set(LEGACY_FINGERPRINT)
+    assert set(LEGACY_FINGERPRINT) <= set(fingerprint(LoCoConfig()))
+    assert saved_setting({}, "grid") == "symmetric"
+    assert saved_setting({"grid": "full-range"}, "grid") == "full-range"
+    assert saved_setting({}, "bits") is None  # no legacy value: a missing key stays missing
 
 
 def test_changed_bucket_resets_that_bucket_only():

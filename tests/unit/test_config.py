@@ -13,6 +13,8 @@ from loco_megatron.cli.flags import add_loco_args, config_from_args
     ({"beta": 1.0}, "--loco-err-beta"), ({"beta": -0.1}, "--loco-err-beta"),
     ({"reset_interval": -1}, "--loco-reset-interval"), ({"block_size": 3}, "--loco-block-size"),
     ({"block_size": 0}, "--loco-block-size"), ({"error_dtype": "fp16"}, "--loco-error-dtype"),
+    ({"grid": "asymmetric"}, "--loco-grid 'asymmetric' is not one of"),
+    ({"grid": 8}, "--loco-grid 8: expected str"),
     ({"start_iter": -1}, "--loco-start-iter"), ({"start_iter": 1.5}, "--loco-start-iter"),
     ({"block_size": 65538}, "--loco-block-size"), ({"block_size": 10 ** 12}, "--loco-block-size"),
     # wrong types (the Python API; flags and YAML values are converted by argparse first)

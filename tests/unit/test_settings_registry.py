@@ -16,9 +16,9 @@ from loco_megatron.config import (CONVERT, RECORD, RESET, SETTINGS, LoCoConfig, 
 from loco_megatron.layout import BucketLayout
 
 #: a valid non-default value per field; a new field must be added here (the first test fails)
-SAMPLES = {"bits": 4, "beta": 0.5, "reset_interval": 10, "block_size": 64, "error_dtype": "fp32",
-           "start_iter": 3, "kernels": "torch", "hierarchical": True, "intra_node_bits": 8,
-           "param_bits": 8}
+SAMPLES = {"bits": 4, "beta": 0.5, "reset_interval": 10, "block_size": 64, "grid": "full-range",
+           "error_dtype": "fp32", "start_iter": 3, "kernels": "torch", "hierarchical": True,
+           "intra_node_bits": 8, "param_bits": 8}
 
 
 def test_every_field_has_a_complete_registry_entry():
@@ -71,7 +71,7 @@ def test_agreement_and_fingerprint_come_from_the_registry():
     described = agreement.describe(config, (0, 0, 0), layout, torch.zeros(256))
     assert shared <= set(described)
     assert set(fingerprint(config)) == {n for n, s in SETTINGS.items() if s.checkpoint}
-    assert fingerprint_fields(RESET) == ("bits", "block_size")
+    assert fingerprint_fields(RESET) == ("bits", "block_size", "grid")
     assert fingerprint_fields(CONVERT) == ("error_dtype",)
 
 

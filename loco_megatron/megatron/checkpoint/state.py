@@ -4,7 +4,8 @@ docs/architecture.md (checkpoints). Each DistributedOptimizer owns gradient buff
 (``optimizer.buffers``) whose buckets carry LoCo error buffers. Its checkpoint holds, with megatron-core's own bucket names
 (``gbuf_idx_{g}.bucket_idx_{b}``, as in ``DistributedOptimizer.sharded_param_state_dp_reshardable``):
 
-* ``meta``: format version, fingerprint (bits, block size, error storage, beta, reset interval),
+* ``meta``: format version, fingerprint (bits, block size, grid, error storage, beta, reset
+  interval; :data:`LEGACY_FINGERPRINT` for settings older checkpoints lack),
   DP size, and per bucket its sizes, parameter ranges and step counter (resets stay on the
   same optimizer steps across a resume);
 * ``exact``: this rank's error buffer as stored (int8 codes + fp32 scales, or fp32 values) in
@@ -46,6 +47,18 @@ from . import agree
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+
+#: fingerprint settings added after checkpoints of this format were first written, with the value
+#: those older checkpoints were saved under: a missing key reads as this value, not as a change
+#: (a RESET or CONVERT setting added to the registry later needs its entry here)
+LEGACY_FINGERPRINT = {"grid": "symmetric"}
+
+
+def saved_setting(saved_fp: dict, name: str):
+    """Setting ``name`` as a checkpoint's fingerprint ``saved_fp`` recorded it
+    (:data:`LEGACY_FINGERPRINT` for a checkpoint saved before the setting existed; None if it
+    has no legacy value)."""
+    return saved_fp.get(name, LEGACY_FINGERPRINT.get(name))
 
 
 @dataclass
@@ -333,12 +346,13 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
     for ref in view.buckets:  # resets stay on the same optimizer steps
         comp.set_step(ref.key, saved.get(ref.name, {}).get("step", 0))
     cfg = state.config
-    changed = [k for k in fingerprint_fields(RESET) if saved_fp.get(k) != getattr(cfg, k)]
+    changed = [k for k in fingerprint_fields(RESET)
+               if saved_setting(saved_fp, k) != getattr(cfg, k)]
     if changed:
         for ref in view.buckets:
             reset(ref)
         note(logging.WARNING, "LoCo: " + ", ".join(
-            f"{k} changed {saved_fp.get(k)} -> {getattr(cfg, k)}" for k in changed)
+            f"{k} changed {saved_setting(saved_fp, k)} -> {getattr(cfg, k)}" for k in changed)
             + f" since {source}; error buffers reset to zero")
         return
     saved_dp = meta["dp_size"]
@@ -395,8 +409,8 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
         note(logging.WARNING, f"LoCo: {why}: {resharded} error buffers resharded from the "
                               f"DP-summed form")
     for k in fingerprint_fields(CONVERT):  # error storage: int8 <-> fp32
-        if saved_fp.get(k) != getattr(cfg, k):
-            note(logging.WARNING, f"LoCo: error storage changed {saved_fp.get(k)} -> "
+        if saved_setting(saved_fp, k) != getattr(cfg, k):
+            note(logging.WARNING, f"LoCo: error storage changed {saved_setting(saved_fp, k)} -> "
                                   f"{getattr(cfg, k)}; saved errors converted")
 
 
