@@ -3,7 +3,10 @@
     .venv/bin/python -m benchmarks [--quick] [--only NAME ...] [--out DIR]
 
 Sections (each a module of this package with ``run(quick, workdir) -> report.Section``):
-wire bytes, compression throughput, step time over a rate-limited link, convergence, memory.
+wire bytes, compression throughput, step time over a rate-limited link, memory, convergence
+(the timed sections first, while nothing else runs; the convergence study last: its numbers do not
+depend on the machine's load). ``benchmarks/gpu_check.sh`` is the separate one-shot check for a
+machine with a GPU (docs/gpu_check.md).
 ``--quick`` runs every section at a smaller size (minutes, for a smoke test), not for numbers.
 """
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from .report import Section, write
 
-SECTIONS = ("wire_bytes", "throughput", "step_time", "convergence", "memory")
+SECTIONS = ("wire_bytes", "throughput", "step_time", "memory", "convergence")
 
 
 def main(argv=None) -> int:

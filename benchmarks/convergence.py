@@ -174,6 +174,10 @@ def run(quick: bool, workdir: Path, cfg: Optional[Config] = None,
               f" ...", file=sys.stderr, flush=True)
         r = run_one(cfg, runs_dir / name.replace("+", "_"),
                     [*data, *extra, "--seed", str(seed), *run_flags(arm, block)])
+        if arm is not FULL_ARM and r.drift is None:
+            raise RunFailed(f"convergence run {name} compressed but wrote no drift-probe files "
+                            f"under {runs_dir / name.replace('+', '_') / 'probe'} "
+                            f"(loco_megatron/drift_probe.py; LOCO_DRIFT_PROBE not honoured?)")
         results[(arm.key, block, seed)] = r
         print(f"benchmarks: convergence: {name} done in {r.seconds:.0f} s (total "
               f"{time.perf_counter() - t_start:.0f} s)", file=sys.stderr, flush=True)

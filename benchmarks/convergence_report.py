@@ -64,7 +64,8 @@ def markdown(summary: Dict[str, object], cfg, labels: Dict[str, str], why: str =
             r = summary["rows"][f"{arm}@{block}"]
             t, v = r["vs_full"]["train"], r["vs_full"]["valid"]
             ms = "?" if r["iter_ms"] is None else f"{r['iter_ms']:.0f}"
-            lines.append(f"| {labels.get(arm, arm)} | {r['train']:.4f} | {_pm(t)} "
+            bad = f" (**{r['diverged']} run(s) diverged: NaN/inf loss**)" if r["diverged"] else ""
+            lines.append(f"| {labels.get(arm, arm)}{bad} | {r['train']:.4f} | {_pm(t)} "
                          f"[{_seeds(t)}] | {r['valid']:.4f} | {_pm(v)} [{_seeds(v)}] "
                          f"| {_frac(r['drift'])} | {_frac(r['zero_fraction'])} | {ms} |")
         lines.append("")
@@ -116,12 +117,14 @@ def verdicts(comps: Dict[str, Dict], default_grid: str) -> List[str]:
     grid = [c for c in comps.values() if (c["a"], c["b"]) == ("loco-fr", "loco")]
     if grid:
         all_win = all(wins(c) for c in grid)
-        out.append(f"- Default grid: `{default_grid}` (`--loco-grid`); the full-range grid "
-                   + ("wins at every block size, so it is the default."
-                      if all_win else "does not win at every block size, so it is an option "
-                      "and not the default.")
-                   + (" The default does not follow this rule: check loco_megatron/config.py."
-                      if (default_grid == "full-range") != all_win else ""))
+        rule = ("wins at every block size" if all_win else "does not win at every block size")
+        follows = (default_grid == "full-range") == all_win
+        out.append(f"- Default grid: `{default_grid}` (`--loco-grid`). The full-range grid {rule}"
+                   + (f", so `{default_grid}` is the default by the rule (default only if it "
+                      f"wins)." if follows else
+                      f": by the rule (default only if it wins) the default should be "
+                      f"`{'full-range' if all_win else 'symmetric'}`, not `{default_grid}`: "
+                      f"check loco_megatron/config.py."))
     return out
 
 

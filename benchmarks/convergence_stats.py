@@ -113,6 +113,8 @@ def summarize(results: Dict[Key, RunResult], arms: Sequence[str], blocks: Sequen
                 "drift": across_seeds(drift) if len(drift) == len(runs) else None,
                 "zero_fraction": across_seeds(zeros) if len(zeros) == len(runs) else None,
                 "iter_ms": _median([r.iter_ms for r in runs if r.iter_ms is not None]),
+                "diverged": sum(not math.isfinite(final_loss(r.train, k))
+                                or not math.isfinite(r.valid) for r in runs),
             }
         for a, b in comparisons:
             out["comparisons"][f"{a}-vs-{b}@{block}"] = {

@@ -176,14 +176,14 @@ def install_stale_reason(root: Path = ROOT, env=None) -> Optional[str]:
     venv = root / env.get("VENV", ".venv")
     stamp = venv / ".loco-installed"
     if not stamp.is_file():
-        return f"{stamp.relative_to(root)} is missing"
+        return f"{os.path.relpath(stamp, root)} is missing"
     for f in ("setup.py", "install.sh"):
         if (root / f).stat().st_mtime > stamp.stat().st_mtime:
-            return f"{f} is newer than {stamp.relative_to(root)}"
+            return f"{f} is newer than {os.path.relpath(stamp, root)}"
     mc, tv = env.get("MCORE_VERSION", ""), env.get("TORCH_VERSION", "")
     want = (f"megatron-core=={mc} " if mc else "") + (f"torch=={tv}" if tv else "")
     if stamp.read_text() != want:
-        return f"{stamp.relative_to(root)} records {stamp.read_text()!r}, not {want!r}"
+        return f"{os.path.relpath(stamp, root)} records {stamp.read_text()!r}, not {want!r}"
     return None
 
 

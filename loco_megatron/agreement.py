@@ -78,7 +78,8 @@ def check_layouts_agree(config: LoCoConfig,
                 f"LoCo: the ranks of data-parallel group {list(ranks)} disagree: {problem}. "
                 f"Their compressed collectives (the gradient reduce-scatter, with "
                 f"--loco-param-bits the parameter all-gather) would exchange blocks of different "
-                f"sizes (a hang or wrong sums), so LoCo stops at start-up. Give every rank the "
+                f"sizes or codes on different grids (a hang or wrong sums), so LoCo stops at "
+                f"start-up. Give every rank the "
                 f"same model, --ddp-bucket-size, gradient dtype (--bf16 / --accumulate-allreduce-"
                 f"grads-in-fp32) and --loco-* flags (a --config file or environment that "
                 f"differs between nodes?).")

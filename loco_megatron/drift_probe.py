@@ -13,7 +13,13 @@ Error feedback keeps ``S_deq - S_g`` equal to minus the stored error (bounded, s
 like ``1/T`` when gradients keep a direction); without compensation it is the sum of independent
 rounding errors (growing like ``sqrt(T)``); LoCo's moving average lies between. The second
 figure is the fraction of codes equal to 0 among the bucket's real elements (block padding left
-out): coordinates whose signal is rounded away in that step.
+out): coordinates whose compensated value rounds to zero in that step (including those whose
+value is exactly zero, e.g. the embedding rows of tokens absent from the batch, where nothing
+is compensated). Non-finite elements (an fp16 overflow step) are left out of the sums.
+
+Meant for the flat reduce-scatter. With ``--loco-hierarchical`` each stage's compression is
+observed as a bucket of its own: the inter-node stage's "gradient" is the node's partial sum,
+and its block padding counts as real elements.
 
 Enabled by the environment variable ``LOCO_DRIFT_PROBE=<folder>`` (read by
 :func:`loco_megatron.training.iteration_log.install`): each rank then rewrites
@@ -77,8 +83,11 @@ class DriftProbe:
             ones = torch.ones(layout.numel, dtype=torch.float64, device=g.device)
             self._valid[key] = layout.to_padded(ones, torch.float64) != 0
         acc = self._sums[key]
-        acc[0] += deq
-        acc[1] += gw
+        # a non-finite element (an fp16 overflow step, which megatron then skips) would poison
+        # the sums for the rest of the run: it adds nothing
+        ok = torch.isfinite(deq) & torch.isfinite(gw)
+        acc[0] += torch.where(ok, deq, torch.zeros_like(deq))
+        acc[1] += torch.where(ok, gw, torch.zeros_like(gw))
         valid = self._valid[key]
         self._zero += int(((deq == 0) & valid).sum())
         self._count += int(valid.sum())

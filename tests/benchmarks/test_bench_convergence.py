@@ -199,10 +199,11 @@ def test_markdown_tables_and_verdicts():
     assert "- Does the 4-bit parameter all-gather lower the loss: not shown" in md
     # the grid line follows the rule: full-range wins at every block here
     lines = convergence_report.verdicts(s["comparisons"], "symmetric")
-    assert any("wins at every block size" in ln and "does not follow this rule" in ln
+    assert any("wins at every block size" in ln and "the default should be `full-range`" in ln
                for ln in lines)
     lines = convergence_report.verdicts(s["comparisons"], "full-range")
-    assert not any("does not follow" in ln for ln in lines)
+    assert not any("should be" in ln for ln in lines)
+    assert any("so `full-range` is the default by the rule" in ln for ln in lines)
 
 
 def test_plot_writes_a_png(tmp_path):
@@ -301,3 +302,21 @@ def test_launch_keeps_run_pretrain_defaults():
     cmd = runs.launch_command(conv.FULL, Path("/x"), ["--loco-bits", "16"], 1234)
     assert cmd[cmd.index("--master-port") + 1] == "1234" and cmd[-2:] == ["--loco-bits", "16"]
     assert cmd[cmd.index("--global-batch-size") + 1] == str(conv.FULL.micro_batch * 2)
+
+
+def test_a_diverged_run_is_flagged_and_a_silent_probe_fails(tmp_path, monkeypatch):
+    res = _fake_results()
+    res[("ef", 256, 2)] = _run(float("nan"), float("nan"), drift=0.1, zeros=0.2)
+    s = stats.summarize(res, list(OFFSET), (256, 4096), SEEDS, 5, conv.COMPARISONS)
+    assert s["rows"]["ef@256"]["diverged"] == 1 and s["rows"]["ef@4096"]["diverged"] == 0
+    labels = {a.key: a.label for a in (conv.FULL_ARM, *conv.ARMS)}
+    md = conv.markdown(s, conv.Config(iters=30, last_k=5, arms=tuple(OFFSET)), labels)
+    assert md.count("1 run(s) diverged") == 1
+
+    def no_probe(cfg, run_dir, extra):  # a compressed run whose probe wrote nothing
+        run_dir.mkdir(parents=True)
+        return _run(3.0, 3.1)
+
+    monkeypatch.setattr(conv, "run_one", no_probe)
+    with pytest.raises(runs.RunFailed, match="no drift-probe files"):
+        conv.run(quick=False, workdir=tmp_path, cfg=conv.Config(iters=30, last_k=5), extra=MOCK)

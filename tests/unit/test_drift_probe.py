@@ -90,3 +90,25 @@ def test_steps_without_compression_are_not_counted():
     probe = DriftProbe()
     probe.end_step()
     assert probe.steps == 0 and probe.series == []
+
+
+def test_a_non_finite_step_does_not_poison_the_sums():
+    """fp16 overflow: an inf in one step's gradient (megatron skips that step) is left out;
+    the drift of the other steps stays finite and equals a run without that element."""
+    layout = _layout()
+    grads = [g.float() for g in _grads(4, seed=2)]
+    probes = []
+    for poison in (False, True):
+        comp = Compensator(LoCoConfig(bits=4, reset_interval=1, block_size=BLOCK,
+                                      kernels="torch"))
+        comp.probe = probe = DriftProbe()
+        for t, g in enumerate(grads):
+            if poison and t == 1:
+                g = g.clone()
+                g[5] = float("inf")
+            comp.compress("b", g, layout)
+            probe.end_step()
+        probes.append(probe)
+    assert all(v == v for _, v, _ in probes[1].series)  # no NaN
+    assert probes[1].series[0][1] == probes[0].series[0][1]
+    assert probes[1].series[-1][1] != probes[0].series[-1][1]  # step 1 lost its poisoned block
