@@ -43,6 +43,8 @@ def main(argv=None) -> int:
         sections.append(sec)
         print(f"benchmarks: {name} done in {sec.seconds:.0f} s"
               + (f" (skipped: {sec.skipped})" if sec.skipped else ""), file=sys.stderr, flush=True)
+        if len(sections) < len(args.only):  # the sections so far, marked in progress
+            write(sections, args.out, argv, pending=args.only[len(sections):])
     md = write(sections, args.out, argv)
     print(f"benchmarks: report in {md} and {md.with_suffix('.json')}", file=sys.stderr)
     return 0

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 
 @dataclass
@@ -80,17 +80,25 @@ def _mem_gib() -> float:
         return 0.0
 
 
-def write(sections: List[Section], out_dir: Path, argv: List[str]) -> Path:
-    """Write ``report.json`` and ``report.md`` into ``out_dir``; returns the markdown path."""
+def write(sections: List[Section], out_dir: Path, argv: List[str],
+          pending: Sequence[str] = ()) -> Path:
+    """Write ``report.json`` and ``report.md`` into ``out_dir``; returns the markdown path.
+
+    ``pending``: sections of the same run still to come (the runner rewrites the report after
+    every section, so a long run's first results can be read while it goes on); the report
+    says the run is in progress and ``report.json`` lists them under ``"pending"``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     info = machine()
     command = "python -m benchmarks " + " ".join(argv)
     payload = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-               "machine": info, "sections": [asdict(s) for s in sections]}
+               "machine": info, "sections": [asdict(s) for s in sections],
+               "pending": list(pending)}
     (out_dir / "report.json").write_text(json.dumps(payload, indent=2, default=str) + "\n")
     lines = ["# loco-megatron benchmark report", "",
              f"Command: `{command.strip()}`  ", f"Date: {payload['date']}  ",
              "Machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), ""]
+    if pending:
+        lines += [f"**In progress: sections {', '.join(pending)} still running.**", ""]
     if "--quick" in argv:
         lines += ["**Quick run (`--quick`): a smoke test at toy sizes. Its numbers, ratios and "
                   "'met' lines are not evidence of anything.**", ""]

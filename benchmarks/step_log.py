@@ -1,4 +1,5 @@
-"""Parse Megatron's training log: iteration lines, the timer block after each, LoCo's fields.
+"""Parse Megatron's training log: iteration lines, the timer block after each, LoCo's fields,
+and what Megatron was configured with (its argument dump, megatron-core's DDP config, buckets).
 
 Megatron prints (last rank) one iteration line per ``--log-interval`` step, then with
 ``--timing-log-level >= 1`` a block ``INFO:megatron.core.timers:(min, max) time across ranks
@@ -6,18 +7,38 @@ Megatron prints (last rank) one iteration line per ``--log-interval`` step, then
 step: N`` (and with ``--loco-param-bits`` ``loco param-gather bytes per step: N``) to the
 iteration line and ``loco-*`` timers to the block (docs/telemetry.md). Ranks
 share one pipe, so matching is unanchored: another rank's output may follow a line's last ``|``.
+
+Rank 0 prints, at start-up, Megatron's argument dump (``---- arguments ----``, then one
+``  name ..... value`` line per argument, ``---- end of arguments ----``), megatron-core's
+``Setting up DistributedDataParallel with config DistributedDataParallelConfig(k=v, ...)`` and
+``Number of buckets for gradient all-reduce / reduce-scatter: N`` per gradient buffer.
 """
 
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+) \|.*?"
                        r"elapsed time per iteration \(ms\): ([\d.]+)")
 LOCO_BYTES = re.compile(r"loco wire bytes per step: (\d+)")
 PARAM_BYTES = re.compile(r"loco param-gather bytes per step: (\d+)")
 TIMER = re.compile(r"^\s+([\w./-]+) \.+: \(([\d.]+), ([\d.]+)\)")
+ARGS_BEGIN = re.compile(r"-{4,} arguments -{4,}")
+ARGS_END = re.compile(r"-{4,} end of arguments -{4,}")
+ARG = re.compile(r"^  (\w+) \.* (.*?)\s*$")  # no dots after a long name
+DDP_CONFIG = re.compile(r"Setting up DistributedDataParallel with config "
+                        r"DistributedDataParallelConfig\((.*)\)")
+DDP_FIELD = re.compile(r"(\w+)=(\([^)]*\)|'[^']*'|[^,]*)")
+NUM_BUCKETS = re.compile(r"Number of buckets for gradient all-reduce / reduce-scatter: (\d+)")
+#: start-up lines that show a setting took effect: megatron-core's (rank 0) and LoCo's
+NOTICES = {
+    "fp32_accumulation_rs": re.compile(r"Using reduce_scatter_with_fp32_accumulation as "
+                                       r"reduce-scatter implementation"),
+    "loco_active": re.compile(r"> LoCo active: \d+-bit compensated reduce-scatter"),
+    "loco_hierarchical": re.compile(r"> LoCo hierarchical: model chunk"),
+    "loco_param_gather": re.compile(r"> LoCo: model chunk \d+: parameter all-gather as"),
+}
 STARTUP_BYTES = re.compile(r"> LoCo: model chunk \d+: (?!parameter).*?(\d+) bytes/step per rank "
                            r"on the wire vs (\d+) stock")
 
@@ -40,15 +61,37 @@ class LogParser:
         steps: iteration -> :class:`Step`, in log order.
         startup_bytes: ``(LoCo, stock)`` bytes/step per rank from LoCo's start-up line, summed
             over model chunks (None with LoCo off).
+        arguments: Megatron's argument dump, ``{name: value as printed}`` (``"True"``,
+            ``"None"``, ``"16"``, ``"torch.bfloat16"``); empty when the log has none.
+        ddp_config: megatron-core's ``DistributedDataParallelConfig`` as logged,
+            ``{field: value as printed}`` (the last one logged).
+        buckets: bucket count of each gradient buffer, in log order.
+        notices: names of the :data:`NOTICES` lines seen.
     """
 
     def __init__(self):
         self.steps: Dict[int, Step] = {}
         self.startup_bytes: Optional[Tuple[int, int]] = None
+        self.arguments: Dict[str, str] = {}
+        self.ddp_config: Dict[str, str] = {}
+        self.buckets: List[int] = []
+        self.notices: Set[str] = set()
         self._last: Optional[Step] = None
+        self._in_args = False
 
     def feed(self, line: str) -> Optional[int]:
         """Parse one line; returns the iteration number when it is an iteration line."""
+        if self._in_args:
+            if ARGS_END.search(line):
+                self._in_args = False
+            else:
+                m = ARG.match(line)
+                if m:
+                    self.arguments[m[1]] = m[2]
+            return None
+        if ARGS_BEGIN.search(line):
+            self._in_args = True
+            return None
         m = ITERATION.search(line)
         if m:
             b, pb = LOCO_BYTES.search(line), PARAM_BYTES.search(line)
@@ -60,6 +103,15 @@ class LogParser:
         if m and self._last is not None:
             self._last.timers[m[1]] = (float(m[2]), float(m[3]))
             return None
+        m = DDP_CONFIG.search(line)
+        if m:
+            self.ddp_config = {k: v.strip() for k, v in DDP_FIELD.findall(m[1])}
+            return None
+        m = NUM_BUCKETS.search(line)
+        if m:
+            self.buckets.append(int(m[1]))
+            return None
+        self.notices.update(k for k, rx in NOTICES.items() if rx.search(line))
         m = STARTUP_BYTES.search(line)
         if m:
             loco, stock = self.startup_bytes or (0, 0)

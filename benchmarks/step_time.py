@@ -1,15 +1,29 @@
-"""Section step_time: end-to-end Megatron step time, stock megatron-core vs LoCo 4-bit (and LoCo
-4-bit with the parameter all-gather as 4-bit weight differences, ``--loco-param-bits 4``), over an
-emulated slow link between two "nodes" (network namespaces + veth + ``tc tbf``; netns.py).
+"""Section step_time: end-to-end Megatron step time over an emulated slow link, stock
+megatron-core (three baselines) against LoCo 4-bit, each with communication overlap off and on.
 
-Each run is Megatron's real training loop (``loco_megatron.training.pretrain_gpt``, CPU ranks, gloo)
-started by ``torch.distributed.run`` in both namespaces (``--nnodes 2``, ``--nproc-per-node``
-DP/2, master = namespace 0's veth address, ``GLOO_SOCKET_IFNAME`` = the namespace's veth end).
-One run measures every rate: after its warm-up it measures ``measure`` iterations at the first
-rate, then the link is re-shaped (``tc qdisc replace``) when the last of them is logged, one
-transition iteration is dropped, and the next rate is measured. The runs of every mode
-(:data:`MODES`) use the same model, data, seed and schedule. Everything that sizes
-the section is in :data:`CONFIG`.
+Variants (:data:`VARIANTS`), each run with overlap off and with ``--overlap-grad-reduce
+--overlap-param-gather`` and a ``--ddp-bucket-size`` that gives several buckets:
+
+* (a) stock megatron-core (``--loco-bits 16``): gloo carries out ``reduce_scatter_tensor`` as
+  an all-reduce, about twice an ideal reduce-scatter's bytes;
+* (b) stock + ``--ddp-reduce-scatter-with-fp32-accumulation`` (megatron-core's all-to-all
+  reduce-scatter: ideal bytes on gloo, the fair stand-in for NCCL's ring reduce-scatter);
+* (c) (b) + ``--grad-reduce-in-bf16`` (bf16 gradients on the wire, fp32 accumulation);
+* (d) LoCo 4-bit; (e) LoCo 4-bit + ``--loco-param-bits 4``;
+* (f) LoCo 4-bit ``--loco-hierarchical`` (the two namespaces are the nodes; torchrun sets
+  ``LOCAL_WORLD_SIZE`` = ranks per namespace).
+
+Each run is Megatron's real training loop (``loco_megatron.training.pretrain_gpt``, CPU ranks,
+gloo, ``--bf16``) started by ``torch.distributed.run`` in both namespaces (``--nnodes 2``,
+``--nproc-per-node`` DP/2, master = namespace 0's veth address, ``GLOO_SOCKET_IFNAME`` = the
+namespace's veth end). One run measures every rate: after its warm-up it measures ``measure``
+iterations at the first rate, the link is re-shaped (``tc qdisc replace``) when the last of
+them is logged, one transition iteration is dropped, and the next rate is measured. Every run
+checks, from rank 0's log, that its flags reached Megatron (argument dump, megatron-core's DDP
+config, megatron-core's and LoCo's start-up lines, bucket count: :func:`check_flags`); a run
+where they did not is an error. Everything
+that sizes the section is in :data:`CONFIG`; the tables are :mod:`.step_time_report`'s, the
+plot :mod:`.step_time_plot`'s.
 """
 
 import os
@@ -24,25 +38,30 @@ from . import netns
 from .launch import CPU_ARGS, corpus_args
 from .report import Section
 from .step_log import LogParser, summarize
+from .step_time_variants import (BY_KEY, VARIANTS, Variant, check_flags, expected_arguments,
+                                 run_flags, run_key)
+
 
 REPO = Path(__file__).resolve().parent.parent
-#: (name, LoCo flags) of each run per DP size
-MODES = (("stock", ("--loco-bits", "16")), ("loco4", ("--loco-bits", "4")),
-         ("loco4+param4", ("--loco-bits", "4", "--loco-param-bits", "4")))
 CONFIG = {
     # section_budget_s: hard cap on the training runs (a run gets what is left; later runs are
-    # skipped), run_timeout_s: cap per run. Each run costs ~45-60 s of Megatron start-up here.
-    # fp32 parameters and gradients: on CPU ranks bf16 compute is slow (a bf16 backward took ~8x
-    # the fp32 one here), which would make the step compute-bound; `bf16=True` is available
-    # (bf16 parameters all-gathered in bf16, fp32 gradient reduce-scatter).
-    "full": dict(rates=("1gbit", "10gbit"), dp=(2, 4), warmup=2, measure=6, run_timeout_s=300,
-                 section_budget_s=1000,
+    # skipped), run_timeout_s: cap per run. On 2 cores a DP-4 run of the full configuration
+    # took 33-75 s with measure=6 (~25-50 s of Megatron start-up for 4 ranks, then 0.5-2 s per
+    # iteration), 12 runs 9 min on a quiet machine; measure=10 adds 8 iterations per run.
+    # --bf16: bf16 parameters
+    # (all-gathered in bf16), gradients accumulated and reduce-scattered in fp32 unless
+    # --grad-reduce-in-bf16. bucket_size: elements per bucket with overlap on (hidden 1024:
+    # 4 buckets of ~4.2M, 4.2M, 4.2M, 8.4M elements; hidden 512: 4 of ~1M, 1M, 1M, 4.2M).
+    "full": dict(rates=("1gbit", "10gbit"), dp=(4,), variants="abcdef", overlap=(False, True),
+                 warmup=2, measure=10, run_timeout_s=240, section_budget_s=1380,
+                 bucket_size=4_000_000,
                  model=dict(num_layers=1, hidden_size=1024, num_attention_heads=8, seq_length=8,
-                            micro_batch_size=1, bf16=False)),
-    "quick": dict(rates=("1gbit", "10gbit"), dp=(2,), warmup=2, measure=3, run_timeout_s=150,
-                  section_budget_s=270,
+                            micro_batch_size=1, bf16=True)),
+    "quick": dict(rates=("1gbit", "10gbit"), dp=(4,), variants="abd", overlap=(False, True),
+                  warmup=2, measure=2, run_timeout_s=150, section_budget_s=420,
+                  bucket_size=1_000_000,
                   model=dict(num_layers=1, hidden_size=512, num_attention_heads=8, seq_length=8,
-                             micro_batch_size=1, bf16=False)),
+                             micro_batch_size=1, bf16=True)),
 }
 
 
@@ -64,10 +83,9 @@ def schedule(cfg: Dict) -> Tuple[int, List[Tuple[str, List[int]]]]:
     return it, segments
 
 
-def megatron_args(cfg: Dict, dp: int, loco_flags, train_iters: int,
-                  data: List[str]) -> List[str]:
-    """Megatron-LM flags of one run (model, ``data`` flags, logging; no checkpoints, no
-    evaluation)."""
+def megatron_args(cfg: Dict, dp: int, flags, train_iters: int, data: List[str]) -> List[str]:
+    """Megatron-LM flags of one run (model, ``data`` flags, logging, the run's ``flags``; no
+    checkpoints, no evaluation)."""
     m = cfg["model"]
     return [
         *CPU_ARGS, "--num-layers", str(m["num_layers"]), "--hidden-size", str(m["hidden_size"]),
@@ -78,35 +96,37 @@ def megatron_args(cfg: Dict, dp: int, loco_flags, train_iters: int,
         "--train-iters", str(train_iters), "--split", "98,1,1", "--lr", "1e-4", "--seed", "1234",
         "--use-distributed-optimizer", "--log-interval", "1", "--timing-log-level", "2",
         "--eval-interval", "1000000", "--eval-iters", "0",
-        *data, *loco_flags] + (
-        ["--bf16"] if m.get("bf16") else [])
+        *data, *flags] + (["--bf16"] if m.get("bf16") else [])
 
 
-def _veth_tx(pid: int, dev: str) -> Optional[int]:
-    """tx bytes of ``dev`` in the network namespace of process ``pid`` (/proc/PID/net/dev)."""
+def _veth_bytes(pid: int, dev: str) -> Optional[Tuple[int, int]]:
+    """``(rx, tx)`` bytes of ``dev`` in the network namespace of process ``pid``."""
     try:
         for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
             name, _, rest = line.partition(":")
             if name.strip() == dev:
-                return int(rest.split()[8])
+                f = rest.split()
+                return int(f[0]), int(f[8])
     except (OSError, ValueError, IndexError):
         pass
     return None
 
 
-def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, mode: str, data: List[str],
-              port: int, log_dir: Path, timeout_s: float) -> Dict:
+def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, variant: Variant, overlap: bool,
+              data: List[str], port: int, log_dir: Path, timeout_s: float) -> Dict:
     """One Megatron run over ``link``, re-shaping it per :func:`schedule`; returns its figures.
 
-    Returns ``{rate: summarize(...) + link_tx_bytes_per_step}`` plus ``startup_bytes`` and
-    ``error`` (""), or ``error`` and ``node0_log``/``node1_log`` excerpts when it failed.
+    Returns ``{rate: summarize(...) + link_tx/rx_bytes_per_step}`` plus ``startup_bytes``,
+    ``buckets``, ``megatron_args`` (the checked arguments as Megatron printed them),
+    ``flag_mismatches`` and ``error`` ("" when it ran as intended; else the cause, with
+    ``node0_log``/``node1_log`` excerpts).
     """
     train_iters, segments = schedule(cfg)
     switch_after = {its[-1]: segments[i + 1][0] for i, (_, its) in enumerate(segments[:-1])}
     link.set_rate(segments[0][0])
-    parser, tx, procs = LogParser(), {}, []
-    args = megatron_args(cfg, dp, dict(MODES)[mode], train_iters, data)
-    tag = f"dp{dp}-{mode}"
+    parser, counters, procs = LogParser(), {}, []
+    args = megatron_args(cfg, dp, run_flags(cfg, variant, overlap), train_iters, data)
+    tag = run_key(dp, variant.key, overlap)
     for node in range(2):
         env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME=link.dev[node],
                    CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1",
@@ -129,7 +149,7 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, mode: str, data: Li
                 f.write(line)
                 it = parser.feed(line)
                 if it is not None:
-                    tx[it] = _veth_tx(procs[0].pid, link.dev[0])
+                    counters[it] = _veth_bytes(procs[0].pid, link.dev[0])
                     if it in switch_after:
                         link.set_rate(switch_after[it])
 
@@ -148,10 +168,15 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, mode: str, data: Li
         netns.kill_group(p)
         link.procs.remove(p)
     reader.join(timeout=30)
-    # LoCo's start-up line comes from global rank 0, on node 0.
+    # rank 0 (node 0) prints the argument dump, the DDP config and LoCo's start-up lines
     node0 = LogParser().feed_text((log_dir / f"{tag}.node0.log").read_text(errors="replace"))
-    result: Dict = {"startup_bytes": parser.startup_bytes or node0.startup_bytes,
-                    "error": error}
+    mismatches = check_flags(node0, cfg, dp, variant, overlap)
+    result: Dict = {"variant": variant.key, "overlap": overlap, "flags": run_flags(
+        cfg, variant, overlap), "startup_bytes": parser.startup_bytes or node0.startup_bytes,
+        "buckets": sum(node0.buckets) or None, "flag_mismatches": mismatches,
+        "megatron_args": {k: node0.arguments.get(k)
+                          for k in expected_arguments(cfg, dp, variant, overlap)},
+        "error": error}
     for rate, its in segments:
         if not all(i in parser.steps for i in its):
             result["error"] = result["error"] or (
@@ -159,10 +184,13 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, mode: str, data: Li
                 f"{[p.returncode for p in procs]}; logs in {log_dir})")
             continue
         r = summarize([parser.steps[i] for i in its])
-        first, last = tx.get(its[0] - 1), tx.get(its[-1])
+        first, last = counters.get(its[0] - 1), counters.get(its[-1])
         if first is not None and last is not None:
-            r["link_tx_bytes_per_step"] = (last - first) / len(its)
+            r["link_rx_bytes_per_step"] = (last[0] - first[0]) / len(its)
+            r["link_tx_bytes_per_step"] = (last[1] - first[1]) / len(its)
         result[rate] = r
+    if mismatches and not result["error"]:
+        result["error"] = "flags did not reach Megatron: " + "; ".join(mismatches)
     if result["error"]:
         for k in (0, 1):  # the launcher's summary hides the cause: keep error lines too
             lines = (log_dir / f"{tag}.node{k}.log").read_text(errors="replace").splitlines()
@@ -171,31 +199,19 @@ def train_run(link: "netns.TwoNodeLink", cfg: Dict, dp: int, mode: str, data: Li
     return result
 
 
-def _fmt_bytes(n: Optional[float]) -> str:
-    return "?" if n is None else f"{n / 2 ** 20:.2f} MiB"
-
-
-def _ms(x: Optional[float]) -> str:
-    return "?" if x is None else f"{x:.0f}"
-
-
-def _num(x: Optional[float]) -> str:
-    return "?" if x is None else f"{x:.1f}"
-
-
-def _pct(x: Optional[float]) -> str:
-    return "?" if x is None else f"{100 * x:.0f}%"
-
-
 def run(quick: bool, workdir: Path) -> Section:
-    """Measure stock vs LoCo 4-bit step time for every (rate, DP) of :data:`CONFIG`."""
+    """Measure every (DP, overlap, variant) of :data:`CONFIG` at every rate; table + plot."""
+    from .step_time_plot import plot
+    from .step_time_report import markdown
+
     sec = Section("step_time", "End-to-end step time over an emulated slow link")
     why = netns.unavailable()
     if why:
         sec.skipped = why
         return sec
     cfg = CONFIG["quick" if quick else "full"]
-    log_dir = Path(workdir) / "step_time_logs"
+    workdir = Path(workdir)
+    log_dir = workdir / "step_time_logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     data = corpus_args()
     try:
@@ -216,97 +232,28 @@ def run(quick: bool, workdir: Path) -> Section:
         port, end = 29600 + os.getpid() % 200, time.monotonic() + cfg["section_budget_s"]
         load[0] = os.getloadavg()[0]
         for dp in cfg["dp"]:
-            for mode, _ in MODES:
-                left = min(cfg["run_timeout_s"], end - time.monotonic())
-                if left < 30:
-                    runs[f"dp{dp}-{mode}"] = {"error": "not run: section time budget "
-                                              f"({cfg['section_budget_s']} s) spent"}
-                    continue
-                print(f"step_time: DP={dp} {mode} ...", file=sys.stderr, flush=True)
-                runs[f"dp{dp}-{mode}"] = train_run(link, cfg, dp, mode, data, port, log_dir,
-                                                   left)
-                port += 1
+            for overlap in cfg["overlap"]:
+                for key in cfg["variants"]:
+                    name, left = run_key(dp, key, overlap), min(cfg["run_timeout_s"],
+                                                                end - time.monotonic())
+                    if left < 30:
+                        runs[name] = {"variant": key, "overlap": overlap, "error": "not run: "
+                                      f"section time budget ({cfg['section_budget_s']} s) spent"}
+                        continue
+                    print(f"step_time: {name} ...", file=sys.stderr, flush=True)
+                    t0 = time.monotonic()
+                    runs[name] = train_run(link, cfg, dp, BY_KEY[key], overlap, data, port,
+                                           log_dir, left)
+                    runs[name]["run_seconds"] = round(time.monotonic() - t0, 1)
+                    port += 1
         load[1] = os.getloadavg()[0]
     finally:
         link.close()
-    sec.data = {"config": cfg, "modes": {m: list(f) for m, f in MODES}, "rate_check_bytes_per_s": rate_check,
-                "load_average_1min_start_end": load, "cpu_count": os.cpu_count(),
-                "runs": runs, "logs": str(log_dir)}
-    sec.markdown = _markdown(cfg, rate_check, runs, load)
+    sec.data = {"config": cfg, "variants": {v.key: {"name": v.name, "flags": list(v.flags)}
+                                            for v in VARIANTS},
+                "rate_check_bytes_per_s": rate_check, "load_average_1min_start_end": load,
+                "cpu_count": os.cpu_count(), "runs": runs, "logs": str(log_dir)}
+    png = plot(cfg, runs, workdir / "step_time.png")
+    sec.files = [png.name] if png else []
+    sec.markdown = markdown(cfg, rate_check, runs, load, png.name if png else None)
     return sec
-
-
-def _markdown(cfg: Dict, rate_check: Dict[str, Optional[float]], runs: Dict,
-              load: Tuple[Optional[float], Optional[float]] = (None, None)) -> str:
-    m = cfg["model"]
-    check = "; ".join(f"`tbf rate {r}` → {v / 1e6:.0f} MB/s ({v * 8 / 1e9:.2f} Gbit/s)"
-                      if v else f"`tbf rate {r}` → check failed" for r, v in rate_check.items())
-    lines = [
-        f"Megatron GPT ({m['num_layers']} layer, hidden {m['hidden_size']}, seq "
-        f"{m['seq_length']}, micro-batch {m['micro_batch_size']} per rank, "
-        + ("`--bf16`: bf16 parameters, all-gathered in bf16, gradients accumulated and "
-           "reduce-scattered in fp32, " if m.get("bf16") else "fp32 parameters and gradients, ")
-        + f"CPU ranks, gloo), distributed optimizer, **no** `--overlap-grad-reduce` (gradient "
-        f"communication is not hidden). Two namespaces joined by a veth pair shaped with "
-        f"`tc tbf` on both ends; DP/2 ranks per namespace. Medians over {cfg['measure']} "
-        f"iterations after {cfg['warmup']} warm-up iterations; all rates in one run per "
-        f"(DP, mode), the link re-shaped between them.", "",
-        f"Link check (one TCP stream, namespace 0 → 1): {check}.", "",
-        f"Host load (1-min load average at the first / after the last run): "
-        f"{_num(load[0])} / {_num(load[1])} on {os.cpu_count()} CPUs, the benchmark's own ranks "
-        f"included: the ranks (and anything else running) share the cores, so single steps "
-        f"vary (per-iteration times are in `data`).", "",
-        "| rate | DP | stock ms/step | LoCo ms/step | speedup (stock/LoCo) | grad-sync share "
-        "stock | grad-sync share LoCo (wire part) | grad bytes/step/rank stock vs LoCo "
-        "| link bytes/step (ns0→ns1) stock vs LoCo | param all-gather share stock / LoCo "
-        "| LoCo + param 4-bit ms/step | speedup (stock/LoCo+param) | its param all-gather share "
-        "| its param bytes/step/rank | its link bytes/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    notes = []
-    for dp in cfg["dp"]:
-        st, lo = runs.get(f"dp{dp}-stock", {}), runs.get(f"dp{dp}-loco4", {})
-        lp = runs.get(f"dp{dp}-loco4+param4", {})
-        for r in (st, lo, lp):
-            if r.get("error"):
-                cause = [ln for ln in r.get("node0_log", []) + r.get("node1_log", [])
-                         if ln.startswith("error:")][:1]
-                notes.append(f"DP={dp}: run failed: {r['error']}"
-                             + (f": `{cause[0]}`" if cause else ""))
-        sb = (lo.get("startup_bytes") or (None, None))
-        for rate in cfg["rates"]:
-            s, c, q = st.get(rate, {}), lo.get(rate, {}), lp.get(rate, {})
-            sms, cms, qms = (s.get("step_ms_median"), c.get("step_ms_median"),
-                             q.get("step_ms_median"))
-            speed = f"{sms / cms:.2f}x" if sms and cms else "?"
-            qspeed = f"{sms / qms:.2f}x" if sms and qms else "?"
-            lines.append(
-                f"| {rate} | {dp} | {_ms(sms)} | {_ms(cms)} | {speed} "
-                f"| {_pct(s.get('grad_sync_share'))} | {_pct(c.get('grad_sync_share'))} "
-                f"({_pct(c.get('loco_comm_share'))}) "
-                f"| {_fmt_bytes(sb[1])} vs {_fmt_bytes(c.get('loco_wire_bytes_per_step'))} "
-                f"| {_fmt_bytes(s.get('link_tx_bytes_per_step'))} vs "
-                f"{_fmt_bytes(c.get('link_tx_bytes_per_step'))} "
-                f"| {_pct(s.get('params_all_gather_share'))} / "
-                f"{_pct(c.get('params_all_gather_share'))} "
-                f"| {_ms(qms)} | {qspeed} | {_pct(q.get('params_all_gather_share'))} "
-                f"| {_fmt_bytes(q.get('param_gather_bytes_per_step'))} "
-                f"| {_fmt_bytes(q.get('link_tx_bytes_per_step'))} |")
-            link = s.get("link_tx_bytes_per_step")
-            if dp == 2 and link and sb[1]:  # ns0 -> ns1 = rank 0's sends: RS + AG
-                notes.append(f"{rate}, DP=2: stock sent {link / 2 ** 20:.1f} MiB/step over the "
-                             f"link, {link / (2 * sb[1]):.2f}x the reduce-scatter + all-gather "
-                             f"theory (2 x {sb[1] / 2 ** 20:.1f} MiB)")
-    lines += ["", "Grad-sync share: Megatron's `all-grads-sync` timer (max over ranks; "
-              "finish_grad_sync, i.e. the whole reduce-scatter, for LoCo including compression "
-              "and decompression) / step time; the wire part is LoCo's `loco-comm` timer (min "
-              "over ranks: the blocking all-to-all's transfer, without waiting for a slower "
-              "rank's compression). Param all-gather: `params-all-gather` (fp32; the same in stock "
-              "and LoCo; with `--loco-param-bits 4` the all-gather of 4-bit weight differences "
-              "and their apply, its bytes from LoCo's telemetry). Grad bytes: exact "
-              "reduce-scatter bytes per rank (stock: LoCo's start-up line; LoCo: its telemetry). "
-              "Link bytes: veth counter, everything namespace 0 sent per step (both "
-              "collectives, other ranks' traffic, TCP/IP headers). With 2 ranks per namespace, "
-              "pairs inside one namespace talk over its own veth address, which the kernel "
-              "routes locally (not shaped, not counted). Shared 2-core CPU: compute and "
-              "LoCo's CPU compression compete with the other ranks, so LoCo can be slower."]
-    return "\n".join(lines + [""] + [f"- {n}" for n in notes])
