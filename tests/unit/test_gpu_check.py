@@ -427,6 +427,7 @@ def test_kernel_step_command_is_the_workers(monkeypatch, tmp_path, capsys, what)
     """The command gpu_check builds parses in the worker, which then refuses without CUDA."""
     from benchmarks import gpu_check_kernels as gk
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # other tests of the session set it
     seen = _fake_run_child(monkeypatch, "", rc=2)
     r = gpu_check._kernel_step(what, tmp_path, 100, [64, 128])
     assert r["status"] == "error" and seen["cmd"][1:4] == ["-m", "benchmarks.gpu_check_kernels",
