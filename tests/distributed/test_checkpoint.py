@@ -178,6 +178,20 @@ def test_missing_rank_0_file_is_a_clear_error(saved, tmp_path):
     assert "loco_state_0_dp000.pt (DP rank 0's, with the metadata) is missing" in msg, msg
 
 
+def test_missing_non_leader_file_is_the_same_error_on_every_rank(saved, tmp_path):
+    """DP rank 1's file is missing: every rank stops with one line naming it (no rank is left
+    to die in a collective)."""
+    def drop_rank1(d):
+        os.remove(glob.glob(os.path.join(d, "*", "loco_state_0_dp001.pt"))[0])
+
+    results = _corrupt(saved, tmp_path, "torch", drop_rank1)
+    for res in results:
+        msg = res[0]["error"]
+        assert "loco_state_0_dp001.pt is missing" in msg and "\n" not in msg, msg
+        assert "Connection" not in msg, msg
+    assert "failed on rank 1 of the group" in results[0][0]["error"]
+
+
 def _corrupt(saved, tmp_path, fmt, how):
     d = tmp_path / fmt
     shutil.copytree(os.path.join(saved["dp2"], fmt), d)
@@ -274,3 +288,29 @@ def test_torch_format_messages_said_once_across_tp_ranks(tmp_path):
         logs = [line for r in results for line in r[job]["logs"]]
         assert len(logs) == 1 and text in logs[0], logs
         assert "mp_rank_" not in logs[0], logs
+
+
+def test_bucket_size_change_continues_every_buckets_counter(saved, tmp_path):
+    """Saved with one bucket per buffer at step N; resumed with several (another
+    ``--ddp-bucket-size``, overlap on) from ``torch`` and from fully reshardable ``torch_dist``
+    (dp_reshardable cannot change buckets): the errors reset with one warning naming the buckets,
+    and every new bucket's step counter continues from N (the optimizer step), so with
+    ``--loco-start-iter`` N none of them runs the full-precision warm-up again."""
+    config = dict(LOCO4, start_iter=N)
+    ddp = {"overlap": True, "bucket_size": 9000}
+    fully = str(tmp_path / "fully")
+    jobs = [dict(_load(saved["dp2"], "torch", config, 1), ddp=ddp),
+            {"phase": "save", "config": LOCO4, "steps": N, "formats": ["torch_dist"],
+             "dir": fully, "sharding": "fully"},
+            dict(_load(fully, "torch_dist", config, 1), ddp=ddp, sharding="fully")]
+    results = run_ranks(ckpt_worker, 2, 1, jobs)
+    for r in results:
+        for res in (r[0], r[2]):
+            assert "error" not in res, res.get("error")
+            assert len(res["steps"]) > 1, res["steps"]  # several buckets now
+            assert set(res["steps"].values()) == {N + 1}, res["steps"]
+            assert res["calls"] == len(res["steps"]), res  # every bucket compressed: no warm-up
+    for res in (results[0][0], results[0][2]):
+        logs = res["logs"]
+        assert len(logs) == 1 and "cannot be mapped" in logs[0], logs
+        assert "--ddp-bucket-size changed" in logs[0], logs

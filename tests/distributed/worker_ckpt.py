@@ -136,7 +136,7 @@ def _run_job(job, records):
     if job["config"] is not None:
         state = loco_megatron.install(loco_megatron.LoCoConfig(**job["config"]))
     try:
-        model, opt = build_gpt(overlap=False, dropout=0.0, **job.get("ddp", {}))
+        model, opt = build_gpt(**{"overlap": False, "dropout": 0.0, **job.get("ddp", {})})
         out = {}
         if job["phase"] == "load":
             error = None
@@ -156,6 +156,8 @@ def _run_job(job, records):
                         "logs": [r for r in records if r.startswith("LoCo")]}
             out["sum_after_load"] = dp_sum(state) if state and state.active else {}
             out["errors_after_load"] = errors(state)
+        active = state is not None and state.active
+        calls0 = state.compensator.stats.calls if active else 0
         losses, drift, counters = [], [], []
         for _ in range(job["steps"]):
             losses.append(float(forward_backward(model, opt)))
@@ -174,6 +176,7 @@ def _run_job(job, records):
                    params={n: p.detach().cpu().clone() for n, p in model.module.named_parameters()},
                    steps=dict(state.compensator.stats.steps) if state and state.active else {},
                    resets=state.compensator.stats.resets if state and state.active else 0,
+                   calls=state.compensator.stats.calls - calls0 if active else 0,
                    logs=[r for r in records if r.startswith("LoCo")])
         return out
     finally:

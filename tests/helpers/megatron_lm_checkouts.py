@@ -1,9 +1,9 @@
 """Shared by the Megatron-LM wrapper / patch tests: CPU launch flags, torchrun, checkouts.
 
 Real checkouts come from ``$MEGATRON_LM`` (a user's clone, used as is) or are extracted from a
-local git mirror of NVIDIA/Megatron-LM (``$LOCO_MEGATRON_LM_MIRROR``, default
-``/work/.mirror/NVIDIA+Megatron-LM/repo``) with ``git archive`` into a temporary directory;
-tests that need one skip when neither exists (CI). Nothing fetched is ever written to the repo.
+local git mirror of NVIDIA/Megatron-LM (``$LOCO_MEGATRON_LM_MIRROR``, no default: the user
+says where) with ``git archive`` into a temporary directory; tests that need one skip, saying
+so, when neither is set (CI). Nothing fetched is ever written to the repo.
 """
 
 import os
@@ -15,9 +15,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MIRROR = Path(os.environ.get("LOCO_MEGATRON_LM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+#: a git mirror of NVIDIA/Megatron-LM the user named (``$LOCO_MEGATRON_LM_MIRROR``), or None
+MIRROR = (Path(os.environ["LOCO_MEGATRON_LM_MIRROR"])
+          if os.environ.get("LOCO_MEGATRON_LM_MIRROR") else None)
 NO_CHECKOUT = ("no Megatron-LM checkout: set MEGATRON_LM to a clone, or LOCO_MEGATRON_LM_MIRROR "
-               f"to a git mirror of NVIDIA/Megatron-LM ({MIRROR} does not exist)")
+               "to a git mirror of NVIDIA/Megatron-LM"
+               + (f" ({MIRROR} is not a directory)" if MIRROR is not None else ""))
+
+
+def mirror_available() -> bool:
+    """True when ``$LOCO_MEGATRON_LM_MIRROR`` names an existing directory."""
+    return MIRROR is not None and MIRROR.is_dir()
 #: as run_pretrain.sh passes them on a machine without a GPU
 CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local",
              "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
@@ -50,7 +58,7 @@ def torchrun(target, args, cwd=ROOT, timeout=900, nproc=2):
 
 def extract_tag(tag: str, dest: Path, paths=()) -> Path:
     """``git archive`` of ``tag`` (optionally only ``paths``) from the mirror into ``dest``."""
-    if not MIRROR.is_dir():
+    if not mirror_available():
         pytest.skip(NO_CHECKOUT)
     dest.mkdir(parents=True, exist_ok=True)
     archive = subprocess.run(["git", f"--git-dir={MIRROR}", "archive", tag, *paths],

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests.helpers.megatron_lm_checkouts import MIRROR, NO_CHECKOUT, ROOT
+from tests.helpers.megatron_lm_checkouts import NO_CHECKOUT, ROOT, mirror_available
 
 HARNESS = ROOT / "tools" / "megatron_lm_unit_tests"
 
@@ -72,7 +72,7 @@ def test_one_megatron_lm_file_in_every_mode(tmp_path):
     args = []
     if os.environ.get("MEGATRON_LM"):
         args = ["--megatron-lm", os.environ["MEGATRON_LM"]]
-    elif MIRROR.is_dir():
+    elif mirror_available():
         args = ["--tag", "core_v0.19.0"]
     else:
         pytest.skip(NO_CHECKOUT)

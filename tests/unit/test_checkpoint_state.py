@@ -177,3 +177,15 @@ def test_step_counter_api():
     _train(view, range(1))
     assert comp.step_of(key) == 4 and comp.stats.resets == 1
     assert view.meta()["buckets"]["gbuf_idx_0.bucket_idx_0"]["step"] == 4
+
+
+def test_more_buckets_after_resume_all_continue_the_step_count():
+    """Another --ddp-bucket-size: a bucket the checkpoint does not have continues the
+    optimizer step like the others (outside a load round too), not from 0."""
+    view = _view(LoCoConfig(bits=4, block_size=BLOCK))
+    _train(view, range(3))
+    fresh = _view(LoCoConfig(bits=4, block_size=BLOCK), numels=(BLOCK * 4, BLOCK, BLOCK, BLOCK))
+    notes = fresh.load_state_dict(_saved(view), "ckpt")
+    assert len(notes) == 1 and "not in the checkpoint" in notes[0]
+    assert set(fresh.state.compensator.stats.steps.values()) == {3}
+    assert len(fresh.state.compensator.stats.steps) == 4

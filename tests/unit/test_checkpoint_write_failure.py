@@ -54,3 +54,16 @@ def test_unwritable_directory_is_a_clear_error(tmp_path):
         write_atomically({"x": torch.ones(3)}, str(path))
     _check_message(str(err.value), path)
     assert blocker.read_text().startswith("a file")
+
+
+def test_temporary_file_of_a_killed_save_is_removed_by_the_next_save(tmp_path):
+    """A save killed inside torch.save leaves ``<file>.tmp<pid>``; the next save of that file
+    removes it (other files' temporaries are not touched)."""
+    path = tmp_path / "loco_state_0_dp000.pt"
+    killed = tmp_path / "loco_state_0_dp000.pt.tmp4242"
+    other = tmp_path / "loco_state_0_dp001.pt.tmp4243"  # another rank's, maybe still writing
+    killed.write_bytes(b"half a file")
+    other.write_bytes(b"half a file")
+    write_atomically({"x": torch.arange(3)}, str(path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, other.name]
+    assert torch.equal(torch.load(path, weights_only=True)["x"], torch.arange(3))

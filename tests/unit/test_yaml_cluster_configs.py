@@ -17,9 +17,10 @@ from loco_megatron.cli.flags import FLAGS, add_loco_args, config_from_args
 from loco_megatron.cli.preflight import check_megatron_args
 from loco_megatron.cli.yaml_config import expand_config_argv, load_config
 
+from tests.helpers.megatron_lm_checkouts import MIRROR, mirror_available
+
 ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 64  # 8 nodes x 8 GPUs
-MIRROR = Path(os.environ.get("LOCO_MEGATRON_LM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
 
 # config -> (data-parallel size at 64 GPUs, exact parameter count of the released checkpoint,
 #            rounded published figure). Counts: HF meta-llama/Llama-2-7b-hf 6,738,415,616,
@@ -126,7 +127,7 @@ def _megatron_example_yaml():
     checkout = os.environ.get("MEGATRON_LM")
     if checkout and (Path(checkout) / "examples/gpt3/gpt_config.yaml").is_file():
         return (Path(checkout) / "examples/gpt3/gpt_config.yaml").read_text()
-    if MIRROR.is_dir():
+    if mirror_available():
         proc = subprocess.run(["git", "--git-dir", str(MIRROR), "show",
                                "core_v0.16.1:examples/gpt3/gpt_config.yaml"],
                               capture_output=True, text=True)
@@ -180,7 +181,7 @@ def test_config_keys_are_flags_of_a_megatron_lm_checkout(tmp_path):
     flags of that parser too ($MEGATRON_LM, else core_v0.16.1 from the local mirror)."""
     checkout = os.environ.get("MEGATRON_LM")
     if not checkout:
-        if not MIRROR.is_dir():
+        if not mirror_available():
             pytest.skip("needs a Megatron-LM checkout: set MEGATRON_LM")
         checkout = str(tmp_path / "Megatron-LM")
         os.makedirs(checkout)

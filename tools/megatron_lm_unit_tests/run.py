@@ -31,7 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MIRROR = Path(os.environ.get("LOCO_MEGATRON_LM_MIRROR", "/work/.mirror/NVIDIA+Megatron-LM/repo"))
+#: a git mirror of NVIDIA/Megatron-LM the user named (``$LOCO_MEGATRON_LM_MIRROR``), or None
+MIRROR = (Path(os.environ["LOCO_MEGATRON_LM_MIRROR"])
+          if os.environ.get("LOCO_MEGATRON_LM_MIRROR") else None)
 MODES = ("stock", "bits16", "bits4")
 
 #: Where 4-bit LoCo is expected to change a Megatron-LM test's outcome, each with the reason:
@@ -65,9 +67,10 @@ def checkout_path(args, tmp: Path) -> Path:
     """The checkout to test: ``--tag`` (extracted from the mirror) wins over ``--megatron-lm``,
     which defaults to ``$MEGATRON_LM``. Exits with one line when neither works."""
     if args.tag:
-        if not MIRROR.is_dir():
-            sys.exit(f"error: --tag needs a git mirror of NVIDIA/Megatron-LM at {MIRROR} "
-                     f"(set LOCO_MEGATRON_LM_MIRROR) or pass --megatron-lm PATH")
+        if MIRROR is None or not MIRROR.is_dir():
+            where = f" ({MIRROR} is not a directory)" if MIRROR is not None else ""
+            sys.exit(f"error: --tag needs LOCO_MEGATRON_LM_MIRROR set to a git mirror of "
+                     f"NVIDIA/Megatron-LM{where}, or pass --megatron-lm PATH")
         path = tmp / args.tag
         path.mkdir(parents=True)
         archive = subprocess.run(["git", f"--git-dir={MIRROR}", "archive", args.tag, "tests",

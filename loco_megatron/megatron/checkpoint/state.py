@@ -343,8 +343,11 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
         return
     validate_meta(meta, data_file)
     saved_fp, saved = meta["fingerprint"], meta["buckets"]
-    for ref in view.buckets:  # resets stay on the same optimizer steps
-        comp.set_step(ref.key, saved.get(ref.name, {}).get("step", 0))
+    # resets stay on the same optimizer steps. Every bucket counts one per optimizer step, so
+    # the counter is the step itself: a new bucket (another --ddp-bucket-size) continues it too
+    step = max((int(b.get("step", 0)) for b in saved.values() if isinstance(b, dict)), default=0)
+    for ref in view.buckets:
+        comp.set_step(ref.key, step)
     cfg = state.config
     changed = [k for k in fingerprint_fields(RESET)
                if saved_setting(saved_fp, k) != getattr(cfg, k)]

@@ -71,12 +71,18 @@ def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
 def write_atomically(obj, path: str) -> None:
     """``torch.save(obj)`` to a temporary file next to ``path``, then rename it over ``path``:
     a failed write (disk full, directory not writable, quota) leaves ``path`` as it was (an
-    earlier save's file, or none) and no partial file behind.
+    earlier save's file, or none) and no partial file behind. Temporary files of ``path`` that a
+    killed save left (``<path>.tmp<pid>``) are removed first.
 
     Raises:
         OSError: with the original errno, naming ``path`` and what to do.
     """
     tmp = f"{path}.tmp{os.getpid()}"
+    for stale in glob.glob(glob.escape(path) + ".tmp*"):  # a save killed mid-write left it
+        try:
+            os.remove(stale)
+        except OSError:
+            pass
     try:
         torch.save(obj, tmp)
         os.replace(tmp, path)
