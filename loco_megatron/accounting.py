@@ -5,6 +5,7 @@ megatron): used by the start-up lines (:mod:`loco_megatron.megatron.report`), th
 (:mod:`loco_megatron.planner.buckets`) and the benchmarks, so every place counts the same bytes.
 """
 
+import dataclasses
 from typing import List, Tuple
 
 from .config import LoCoConfig
@@ -90,3 +91,49 @@ def stage_error_elements(config: LoCoConfig, M: int, L: int, lay: BucketLayout) 
         return lay.world * lay.padded_shard
     intra = lay.world * lay.padded_shard if config.intra_node_bits == 8 else 0
     return intra + (M * lay.padded_shard if M > 1 else 0)
+
+
+def _rebuilt(lay: BucketLayout, block_size: int) -> BucketLayout:
+    """``lay`` cut at the same parameter and shard boundaries, blocks of ``block_size``."""
+    bounds = {x for segs in lay.segments for s, _, n in segs for x in (s, s + n)}
+    return BucketLayout.build(lay.numel, lay.world, block_size, bounds)
+
+
+def check_wire_not_above_stock(config: LoCoConfig,
+                               buckets: List[Tuple[BucketLayout, int]]) -> None:
+    """Refuse a block size at which LoCo would send more bytes than megatron's stock
+    reduce-scatter: blocks are padded at every parameter and DP-shard boundary, so on small
+    models (or shards) a large ``--loco-block-size`` sends mostly padding.
+
+    Args:
+        buckets: ``(layout, grad element size in bytes)`` of every compressed bucket of a
+            buffer (or a model chunk), as :func:`expected_bytes_per_step` takes them.
+
+    Raises:
+        LoCoConfigError: naming ``--loco-block-size``, the bytes, and the largest power-of-two
+            block size (down to 16) at which LoCo sends no more than stock, or, if none does,
+            that this model is too small to gain from compression.
+    """
+    from .config import LoCoConfigError
+
+    loco, stock = expected_bytes_per_step(config, buckets)
+    if not buckets or loco <= stock:
+        return
+    fits = None
+    size = 1 << (config.block_size.bit_length() - 1)
+    while size >= 16:
+        if size < config.block_size:
+            trial = [(_rebuilt(lay, size), elem) for lay, elem in buckets]
+            b, s = expected_bytes_per_step(dataclasses.replace(config, block_size=size), trial)
+            if b <= s:
+                fits = size
+                break
+        size //= 2
+    advice = (f"use --loco-block-size {fits} or smaller" if fits else
+              "no block size from 16 up sends less here: this model's shards are too small to "
+              "gain from compression; run with --loco-bits 16")
+    raise LoCoConfigError(
+        f"--loco-block-size {config.block_size}: LoCo would send {loco} bytes/step per rank vs "
+        f"{stock} for megatron's stock reduce-scatter ({loco / stock:.2f}x): blocks are padded "
+        f"at every parameter and data-parallel shard boundary, so most of each block would be "
+        f"padding; {advice}.")

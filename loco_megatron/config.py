@@ -288,6 +288,16 @@ def _accepted_types() -> Dict[str, Tuple[type, ...]]:
 _ACCEPTED_TYPES = _accepted_types()
 
 
+#: why ``--calculate-per-token-loss`` is refused (with LoCo on)
+PER_TOKEN_LOSS = (
+    "--loco-bits cannot be used with --calculate-per-token-loss: megatron divides the gradients "
+    "by the step's token count only after the reduce-scatter (finalize_model_grads, "
+    "megatron/core/distributed/finalize_model_grads.py), so the compression error LoCo carries "
+    "into the next step is in the units of a step whose count is not known yet when that step "
+    "is compressed (with overlap, during its backward); drop --calculate-per-token-loss (the "
+    "per-micro-batch mean loss) or LoCo.")
+
+
 #: what ``--loco-param-bits`` (weight differences, loco_megatron/weight_difference.py) cannot
 #: replace: megatron settings whose parameter all-gather (or fp32 main parameters) is not the
 #: distributed optimizer's, ``(attribute, what it is, why)``; checked by the preflight

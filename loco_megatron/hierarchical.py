@@ -30,10 +30,8 @@ the intra-node stage runs: megatron's stock reduce-scatter with ``--loco-intra-n
 flat compensated 8-bit with 8.
 """
 
-import os
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Hashable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,116 +40,14 @@ from . import kernels
 from .collectives import (TIMER_NAMES, WireStats, checked_layout, compensated_reduce_scatter,
                           launch, shard_only_layout, step_timer)
 from .compensator import Compensator
-from .config import LoCoConfigError
 from .layout import BucketLayout
+from .node_topology import NodeTopology, group_topology, local_world_size
+
+__all__ = ["INTRA", "INTER", "NodeTopology", "group_topology", "local_world_size",
+           "HierarchicalWork", "hierarchical_reduce_scatter"]
 
 #: error-buffer key suffixes of the two stages: ``(bucket key, STAGE)``
 INTRA, INTER = "intra", "inter"
-
-
-def local_world_size() -> int:
-    """Ranks per node from the launcher's ``LOCAL_WORLD_SIZE`` (torchrun sets it).
-
-    Raises:
-        LoCoConfigError: unset or not a positive integer (names --loco-hierarchical).
-    """
-    raw = os.environ.get("LOCAL_WORLD_SIZE")
-    try:
-        value = int(raw)
-    except (TypeError, ValueError):
-        value = 0
-    if value < 1:
-        raise LoCoConfigError(
-            f"--loco-hierarchical needs the launcher's LOCAL_WORLD_SIZE (ranks per node), got "
-            f"{raw!r}: launch with torchrun (it sets it), or export LOCAL_WORLD_SIZE (under "
-            f"Slurm: $SLURM_NTASKS_PER_NODE); loco-megatron never guesses it from the GPU count.")
-    return value
-
-
-@dataclass(frozen=True)
-class NodeTopology:
-    """How one DP group's ranks fall on nodes.
-
-    Attributes:
-        ranks: global rank of each group rank.
-        local_world_size: ranks per node (``LOCAL_WORLD_SIZE``).
-        nodes: per node (ordered by node id), its group ranks in increasing order.
-    """
-
-    ranks: Tuple[int, ...]
-    local_world_size: int
-    nodes: Tuple[Tuple[int, ...], ...]
-
-    @classmethod
-    def build(cls, ranks: Sequence[int], local_world_size: int) -> "NodeTopology":
-        """Group the group ranks by node ``global rank // local_world_size``.
-
-        Raises:
-            LoCoConfigError: the nodes hold different numbers of the group's ranks.
-        """
-        by_node = {}
-        for i, g in enumerate(ranks):
-            by_node.setdefault(g // local_world_size, []).append(i)
-        nodes = tuple(tuple(v) for _, v in sorted(by_node.items()))
-        if len({len(n) for n in nodes}) > 1:
-            counts = {node: len(v) for node, v in sorted(by_node.items())}
-            raise LoCoConfigError(
-                f"--loco-hierarchical: the data-parallel group of global ranks {list(ranks)} "
-                f"falls on nodes of LOCAL_WORLD_SIZE={local_world_size} ranks as {counts} "
-                f"(node: ranks of the group); every node must hold the same number. Check "
-                f"LOCAL_WORLD_SIZE, or drop --loco-hierarchical.")
-        return cls(tuple(ranks), local_world_size, nodes)
-
-    @property
-    def num_nodes(self) -> int:
-        """``M``: nodes the group spans."""
-        return len(self.nodes)
-
-    @property
-    def per_node(self) -> int:
-        """``L``: group ranks per node."""
-        return len(self.nodes[0])
-
-    def node_of(self, rank: int) -> int:
-        """Node index (0..M-1) of group rank ``rank``."""
-        return next(m for m, node in enumerate(self.nodes) if rank in node)
-
-    def local_of(self, rank: int) -> int:
-        """Local index (0..L-1) of group rank ``rank`` on its node."""
-        return self.nodes[self.node_of(rank)].index(rank)
-
-    def column(self, local: int) -> Tuple[int, ...]:
-        """Group ranks with local index ``local``, one per node, increasing."""
-        return tuple(sorted(node[local] for node in self.nodes))
-
-    def stage1_order(self, rank: int) -> Tuple[int, ...]:
-        """Shard indices in the order ``rank`` sends them in stage 1: for each node peer ``j``
-        (increasing), the shards of :meth:`column` of ``j``'s local index."""
-        return tuple(c for j in self.nodes[self.node_of(rank)]
-                     for c in self.column(self.local_of(j)))
-
-
-@lru_cache(maxsize=64)
-def _topology(ranks: Tuple[int, ...], local_world_size: int) -> NodeTopology:
-    return NodeTopology.build(ranks, local_world_size)
-
-
-def group_topology(group=None) -> NodeTopology:
-    """The :class:`NodeTopology` of process group ``group`` (default WORLD) under the current
-    ``LOCAL_WORLD_SIZE`` (cached).
-
-    Raises:
-        LoCoConfigError: ``LOCAL_WORLD_SIZE`` missing or invalid, the world size not a
-            multiple of it, or uneven nodes.
-    """
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    lws, world = local_world_size(), dist.get_world_size()
-    if world % lws:  # a last node with fewer ranks: some DP groups would look even, others not
-        raise LoCoConfigError(
-            f"--loco-hierarchical: {world} ranks do not fill nodes of LOCAL_WORLD_SIZE={lws} "
-            f"ranks (node of a rank: global rank // LOCAL_WORLD_SIZE); every node must run the "
-            f"same number of ranks. Check LOCAL_WORLD_SIZE, or drop --loco-hierarchical.")
-    return _topology(ranks, lws)
 
 
 @lru_cache(maxsize=256)
@@ -169,12 +65,91 @@ def _splits(peers: Sequence[int], world: int, size: int):
     return [size if j in members else 0 for j in range(world)]
 
 
+#: ``(order, device) -> int64 index tensor`` of :func:`_reorder`: built once per layout, not in
+#: every backward hook (a host-to-device copy on GPUs)
+_ORDER_INDEX: Dict[Tuple[Tuple[int, ...], str], torch.Tensor] = {}
+
+
 def _reorder(x: torch.Tensor, rows: int, order: Tuple[int, ...]) -> torch.Tensor:
     """Rows of ``x`` (viewed as ``[rows, -1]``) in ``order``, flat."""
     if order == tuple(range(rows)):
         return x.reshape(-1)
-    index = torch.tensor(order, dtype=torch.int64, device=x.device)
+    key = (order, str(x.device))
+    index = _ORDER_INDEX.get(key)
+    if index is None:
+        index = _ORDER_INDEX[key] = torch.tensor(order, dtype=torch.int64, device=x.device)
     return x.reshape(rows, -1).index_select(0, index).reshape(-1)
+
+
+#: per process group: the asynchronous hierarchical handles whose inter-node stage is not issued
+#: yet, in launch order (every rank of a group launches the same buckets in the same order)
+_PENDING: Dict[object, List["HierarchicalWork"]] = {}
+
+
+class HierarchicalWork:
+    """Handle of an asynchronous hierarchical reduce-scatter (``async_op=True``, 2+ nodes).
+
+    The slow inter-node stage does not wait for :meth:`wait`: the next LoCo reduce-scatter on
+    the same group (the next bucket's backward hook) first completes the intra-node stage of
+    every earlier bucket still pending, compresses its partial sums and issues its inter-node
+    all-to-all asynchronously, then launches its own intra-node stage. So bucket ``k``'s
+    inter-node transfer overlaps the backward pass of the buckets after it, and :meth:`wait`
+    only finishes (the last bucket's inter stage is issued by its own ``wait``). Every rank
+    issues the collectives in the same order (bucket order, then waits in order).
+
+    Args:
+        group_key: the process group (``_PENDING`` key).
+        intra: the intra-node stage's outstanding works.
+        stage2: finishes the intra stage and issues the inter stage; returns its works.
+        final: decompresses the inter stage into the output shard.
+        comm_timer: started and stopped around waits (a Megatron timer).
+    """
+
+    def __init__(self, group_key, intra: List, stage2: Callable[[], List],
+                 final: Callable[[], None], comm_timer):
+        self._group_key, self._intra, self._stage2, self._final = group_key, intra, stage2, final
+        self._comm_timer, self._inter, self._done = comm_timer, None, False
+
+    @property
+    def inter_issued(self) -> bool:
+        """True once the inter-node all-to-all has been issued."""
+        return self._inter is not None
+
+    def issue_inter(self) -> None:
+        """Wait for the intra-node stage, then compress and issue the inter-node stage (once)."""
+        if self._inter is not None:
+            return
+        self._comm_timer.start()
+        for w in self._intra:
+            w.wait()
+        self._comm_timer.stop()
+        self._intra = []
+        pending = _PENDING.get(self._group_key, [])
+        if self in pending:
+            pending.remove(self)
+        self._inter = self._stage2()
+
+    def wait(self, timeout=None) -> bool:
+        """Issue the inter-node stage if no later call did, wait for it, write the shard."""
+        if not self._done:
+            self.issue_inter()
+            self._comm_timer.start()
+            for w in self._inter:
+                w.wait()
+            self._comm_timer.stop()
+            self._final()
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        """True once :meth:`wait` has written the reduced shard."""
+        return self._done
+
+
+def _issue_pending(group_key) -> None:
+    """Issue the inter-node stage of every pending handle of ``group_key``, oldest first."""
+    for work in list(_PENDING.get(group_key, [])):
+        work.issue_inter()
 
 
 def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
@@ -188,7 +163,8 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     Same arguments, return value and handle contract as
     :func:`~loco_megatron.collectives.compensated_reduce_scatter`, plus ``topology`` (default:
     :func:`group_topology` of ``group``). With ``async_op`` the intra-node stage is launched and
-    the returned handle's ``wait()`` runs the rest (the inter-node stage, synchronously).
+    a :class:`HierarchicalWork` returned: the next call on the same group issues this bucket's
+    inter-node stage (asynchronously) before its own intra-node stage, and ``wait()`` finishes.
     ``stats`` also gets ``intra_node_bytes`` and ``inter_node_bytes``. The bucket ``key``'s step
     counter schedules resets of both stage buffers and advances once per call.
 
@@ -226,6 +202,10 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             stats.stock_bytes += sent
             stats.intra_node_bytes += sent
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    group_key = group if group is not None else dist.group.WORLD
+    if async_op:  # earlier buckets' inter-node stages go out before this bucket's intra stage
+        _issue_pending(group_key)
+    average, got = op == dist.ReduceOp.AVG, []
     rank, P, bs = dist.get_rank(group), layout.padded_shard, cfg.block_size
     peers, column = topo.nodes[topo.node_of(rank)], topo.column(topo.local_of(rank))
     order = topo.stage1_order(rank)
@@ -255,7 +235,9 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         stats.bytes_sent += intra
         stats.stock_bytes += (world - 1) * layout.shard * input.element_size()
 
-    def finish():
+    def stage2():
+        """Sum the intra-node stage; with 2+ nodes compress and issue the inter-node stage
+        (asynchronously when ``async_op``); returns its works."""
         send.clear()  # stage 1 finished: its send buffers may go
         decompress_timer.start()
         impl = kernels.select(cfg.kernels, output)
@@ -271,24 +253,33 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             kernels.decompress_shard(impl, recv[0], recv[1], table, 0, bits=8, average=False,
                                      out=partial)
         decompress_timer.stop()
-        average = op == dist.ReduceOp.AVG
         if M == 1:
             _write(partial, layout, rank, output, world if average else 1)
-            return
+            return []
         compress_timer.start()
         payload, scales = compensator.compress((key, INTER), partial, None, step=step)
         compress_timer.stop()
         inter = [(payload, P * cfg.bits // 8), (scales, P // bs)]
-        got = [torch.empty(M * u, dtype=t.dtype, device=t.device) for t, u in inter]
+        got.extend(torch.empty(M * u, dtype=t.dtype, device=t.device) for t, u in inter)
+        got.extend(t for t, _ in inter)  # the send buffers live until final() (async)
         comm_timer.start()
-        for r, (t, u) in zip(got, inter):
-            dist.all_to_all_single(r, t, output_split_sizes=_splits(column, world, u),
-                                   input_split_sizes=_splits(column, world, u), group=group)
+        works2 = [dist.all_to_all_single(r, t, output_split_sizes=_splits(column, world, u),
+                                         input_split_sizes=_splits(column, world, u),
+                                         group=group, async_op=async_op)
+                  for r, (t, u) in zip(got, inter)]
         comm_timer.stop()
         if stats is not None:
             sent = (M - 1) * sum(u * t.element_size() for t, u in inter)
             stats.inter_node_bytes += sent
             stats.bytes_sent += sent
+        return [w for w in works2 if w is not None]
+
+    def final():
+        """Sum the ``M`` inter-node chunks received into the output shard."""
+        if M == 1:
+            return
+        impl = kernels.select(cfg.kernels, output)
+        table_device = output.device if impl != "torch" else "cpu"
         decompress_timer.start()
         table = kernels.block_table(_shard_layout(layout, rank, M), table_device)
         target = output if not average else torch.empty(output.numel(), dtype=torch.float32,
@@ -298,9 +289,18 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         if average:  # fp32 sum / N, one rounding to the output dtype
             target /= torch.full((), world, dtype=torch.float32, device=target.device)
             output.copy_(target)
+        got.clear()
         decompress_timer.stop()
 
-    return launch(works, finish, comm_timer, async_op)
+    if not async_op:
+        stage2()
+        final()
+        return None
+    if M == 1:  # no inter-node stage: finishing the intra stage is all wait() does
+        return launch(works, lambda: (stage2(), final()), comm_timer, async_op)
+    handle = HierarchicalWork(group_key, works, stage2, final, comm_timer)
+    _PENDING.setdefault(group_key, []).append(handle)
+    return handle
 
 
 def _write(padded: torch.Tensor, layout: BucketLayout, rank: int, out: torch.Tensor,

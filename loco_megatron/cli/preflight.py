@@ -23,7 +23,8 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
 
     Megatron FSDP (``--use-megatron-fsdp``, ``--use-custom-fsdp`` before 0.14) and torch FSDP2
     replace megatron-core's DDP gradient buffers entirely; the others are checked as on the DDP
-    config (:func:`loco_megatron.megatron.plugin.check_ddp_config`).
+    config (:func:`loco_megatron.megatron.plugin.check_ddp_config`), ``--calculate-per-token-loss``
+    among them (when gradients are communicated).
 
     Raises:
         LoCoConfigError: naming the conflicting flag.
@@ -48,7 +49,8 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
         use_distributed_optimizer=getattr(args, "use_distributed_optimizer", False),
         num_distributed_optimizer_instances=getattr(args, "num_distributed_optimizer_instances", 1),
         reduce_scatter_with_fp32_accumulation=getattr(
-            args, "ddp_reduce_scatter_with_fp32_accumulation", False)), gradient_dp_size(args))
+            args, "ddp_reduce_scatter_with_fp32_accumulation", False)), gradient_dp_size(args),
+        per_token_loss=bool(getattr(args, "calculate_per_token_loss", False)))
 
 
 def gradient_dp_size(args) -> int:
@@ -113,8 +115,9 @@ def preparse_loco_config(argv) -> LoCoConfig:
     known, _ = parser.parse_known_args(argv)
     if known.yaml_cfg is not None:
         data = load_config(known.yaml_cfg, "--yaml-cfg")
-        config = config_from_args(SimpleNamespace(**{str(k): v for k, v in data.items()},
-                                                  yaml_cfg=known.yaml_cfg), argv)
+        # the file may hold a yaml_cfg key itself (Megatron's load_yaml overwrites it)
+        config = config_from_args(SimpleNamespace(**{**{str(k): v for k, v in data.items()},
+                                                     "yaml_cfg": known.yaml_cfg}), argv)
     else:
         config = config_from_args(known)
     _check_fsdp(known, config)

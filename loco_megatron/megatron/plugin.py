@@ -23,18 +23,20 @@ from typing import Optional
 
 import torch
 
+from ..accounting import check_wire_not_above_stock
 from ..agreement import check_layouts_agree
 from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
 from ..hierarchical import hierarchical_reduce_scatter
 from ..compensator import Compensator
-from ..config import LoCoConfig, LoCoConfigError
+from ..config import PER_TOKEN_LOSS, LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
 from ..metrics import StepMetrics
 from ..nonfinite import NonfiniteMonitor
 from ..patching import PatchSet
 from . import compat, loss_scale, param_sync
 from .checkpoint import hooks as ckpt_hooks
-from .report import log_chunk_layout, log_hierarchical_topology, log_param_gather
+from .report import (buffer_reports, log_buffers, log_chunk_layout,
+                     log_hierarchical_topology, log_param_gather)
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ def get_state() -> Optional[LoCoState]:
     return _STATE
 
 
-def check_ddp_config(ddp_config, dp_size: int = 2) -> None:
+def check_ddp_config(ddp_config, dp_size: int = 2, per_token_loss: bool = False) -> None:
     """Refuse DDP settings LoCo does not compress (raises LoCoConfigError naming the flag).
 
     Args:
@@ -129,9 +131,13 @@ def check_ddp_config(ddp_config, dp_size: int = 2) -> None:
         dp_size: the largest number of ranks any bucket group of the model reduces its
             gradients over. At 1 nothing is sent, LoCo has nothing to compress and megatron's
             own path runs whatever the configuration (no refusal).
+        per_token_loss: the model's ``TransformerConfig.calculate_per_token_loss``
+            (``--calculate-per-token-loss``): refused, :data:`PER_TOKEN_LOSS` says why.
     """
     if dp_size <= 1:
         return
+    if per_token_loss:
+        raise LoCoConfigError(PER_TOKEN_LOSS)
     if not ddp_config.use_distributed_optimizer:
         raise LoCoConfigError(
             "--loco-bits needs the distributed optimizer (--use-distributed-optimizer): LoCo "
@@ -157,7 +163,8 @@ def _wrap_ddp_init(orig):
         groups = compat.ddp_bucket_groups(self)
         dp_size = max((compat.gradient_group_size(g) for g in groups), default=1)
         if state.active:
-            check_ddp_config(self.ddp_config, dp_size)
+            check_ddp_config(self.ddp_config, dp_size, per_token_loss=bool(
+                getattr(getattr(self, "config", None), "calculate_per_token_loss", False)))
         if state.param_active:
             param_sync.check_ddp_config(self.ddp_config, dp_size, state.config.param_bits)
         chunk = state.num_chunks
@@ -169,16 +176,21 @@ def _wrap_ddp_init(orig):
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
         compressed = _check_agreement(state, self)
+        buffers = buffer_reports(self, compressed if state.active else [])
+        if state.active and not state.config.hierarchical:  # never more bytes than stock
+            for buf in buffers:
+                check_wire_not_above_stock(state.config, [(lay, elem) for _, lay, elem
+                                                          in buf.compressed])
         if state.param_active:
             for group, bucket, layout in compressed:
                 state.param_sync.register(bucket, group.intra_distributed_optimizer_instance_group,
                                           layout.world, compat.param_gather_rank(group), layout)
             log_param_gather(chunk, state.config, [
                 (layout, bucket.param_data.element_size()) for _, bucket, layout in compressed])
+        log_buffers(chunk, state.config, buffers)
         if not state.active:
             return
-        log_chunk_layout(chunk, state.config, [
-            (layout, bucket.grad_data.element_size()) for _, bucket, layout in compressed])
+        log_chunk_layout(chunk, state.config, buffers)
         if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
             log_hierarchical_topology(chunk, state.config, [
                 (group.intra_distributed_optimizer_instance_group, layout,

@@ -1,12 +1,16 @@
-"""LoCo log lines in Megatron's style (rank 0 only): start-up summary and per-chunk layout."""
+"""LoCo log lines in Megatron's style (rank 0 only): the start-up summary, one line per
+gradient buffer (dense / expert: compressed, full precision or not communicated, and why), the
+chunk's totals, the parameter all-gather and the hierarchical topology."""
 
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import List, Tuple
 
 import torch
 
 from ..config import LoCoConfig
+from . import compat
 from ..layout import BucketLayout
 from ..accounting import (error_state_bytes, expected_bytes_per_step,
                           hierarchical_bytes_per_step, param_gather_bytes_per_step,
@@ -27,32 +31,128 @@ def print_rank_0(msg: str) -> None:
 
 
 
-def log_chunk_layout(chunk: int, config: LoCoConfig,
-                     buckets: List[Tuple[BucketLayout, int]]) -> None:
-    """One line per model chunk: buckets, elements, expected wire bytes per step vs stock."""
-    if not buckets:
-        print_rank_0(f"> LoCo: model chunk {chunk}: data-parallel size 1, no gradient is "
-                      f"communicated; stock path")
+@dataclass
+class BufferReport:
+    """One gradient buffer of a model chunk, as the start-up lines describe it.
+
+    Attributes:
+        kind: ``"dense"`` (``ddp.buffers``) or ``"expert"`` (``ddp.expert_parallel_buffers``).
+        index: the buffer's index in LoCo's stable order (dense first, then expert).
+        dtype: gradient dtype, e.g. ``"float32"``.
+        numel: gradient elements of the buffer (megatron's padding included).
+        buckets: number of buckets.
+        group_size: ranks its gradients are reduced over (1: nothing is communicated).
+        compressed: ``(process group, layout, grad element size)`` of each bucket LoCo
+            compresses (empty: megatron's own path).
+    """
+
+    kind: str
+    index: int
+    dtype: str
+    numel: int
+    buckets: int
+    group_size: int
+    compressed: List[tuple] = field(default_factory=list)
+
+
+def buffer_reports(ddp, compressed) -> List[BufferReport]:
+    """A :class:`~loco_megatron.megatron.report.BufferReport` per gradient buffer of ``ddp``
+    (dense, then expert), with the compressed buckets of ``compressed``
+    (``(bucket group, bucket, layout)`` of the plugin's layout agreement)."""
+    group_of = {id(b): g for g in compat.ddp_bucket_groups(ddp) for b in g.buckets}
+    mine = {id(b): (g, lay) for g, b, lay in compressed}
+    dense = list(ddp.buffers)
+    out = []
+    for index, buffer in enumerate(compat.ddp_buffers(ddp)):
+        groups = [group_of[id(b)] for b in buffer.buckets if id(b) in group_of]
+        out.append(BufferReport(
+            kind="dense" if index < len(dense) else "expert", index=index,
+            dtype=str(buffer.grad_data.dtype).replace("torch.", ""),
+            numel=buffer.grad_data.numel(), buckets=len(buffer.buckets),
+            group_size=max((compat.gradient_group_size(g) for g in groups), default=1),
+            compressed=[(mine[id(b)][0].intra_distributed_optimizer_instance_group,
+                         mine[id(b)][1], b.grad_data.element_size())
+                        for b in buffer.buckets if id(b) in mine]))
+    return out
+
+
+def wire_figures(config: LoCoConfig, compressed: List[tuple]) -> Tuple[int, int, str]:
+    """``(LoCo bytes, stock bytes, detail)`` one rank sends per step for ``compressed``
+    buckets (``(process group, layout, grad element size)``): flat, or under
+    ``--loco-hierarchical`` both stages together (detail: ``"A intra-node + B inter-node"``),
+    the traffic the iteration line measures; stock is megatron's flat reduce-scatter.
+
+    Raises:
+        LoCoConfigError: ``--loco-hierarchical`` with a bad ``LOCAL_WORLD_SIZE``.
+    """
+    lays = [(lay, elem) for _, lay, elem in compressed]
+    _, stock = expected_bytes_per_step(config, lays)
+    if not config.hierarchical:
+        return expected_bytes_per_step(config, lays)[0], stock, ""
+    from ..hierarchical import group_topology
+
+    intra = inter = 0
+    for group, lay, elem in compressed:
+        topo = group_topology(group)
+        a, b = hierarchical_bytes_per_step(config, topo.num_nodes, topo.per_node, [(lay, elem)])
+        intra, inter = intra + a, inter + b
+    return intra + inter, stock, f"{intra} intra-node + {inter} inter-node"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def log_buffers(chunk: int, config: LoCoConfig, buffers: List[BufferReport]) -> None:
+    """One line per gradient buffer of a model chunk (dense and expert): its group, and
+    whether it is compressed (bytes per step against stock), sent at full precision, or not
+    communicated, and why."""
+    for buf in buffers:
+        head = (f"> LoCo: model chunk {chunk}, {buf.kind} gradient buffer {buf.index} "
+                f"({buf.dtype}, {buf.numel} elements, {_plural(buf.buckets, 'bucket')}): ")
+        group = f"{'expert ' if buf.kind == 'expert' else ''}data-parallel group of " \
+                f"{_plural(buf.group_size, 'rank')}"
+        if buf.group_size <= 1:
+            print_rank_0(head + f"{group}: not communicated (nothing to reduce), megatron's "
+                                f"own path")
+        elif not buf.compressed:
+            why = ("--loco-bits off" if not config.enabled else
+                   f"--loco-start-iter {config.start_iter} first" if config.start_iter else
+                   "not reduce-scattered")
+            print_rank_0(head + f"reduced over its {group} at full precision ({why})")
+        else:
+            loco, stock, detail = wire_figures(config, buf.compressed)
+            print_rank_0(
+                head + f"reduce-scattered over its {group}, compressed at {config.bits} bits"
+                + (" (hierarchical)" if config.hierarchical else "")
+                + f": {loco} bytes/step per rank on the wire vs {stock} stock "
+                  f"({loco / stock if stock else 0.0:.3f}x)" + (f"; {detail}" if detail else ""))
+
+
+def log_chunk_layout(chunk: int, config: LoCoConfig, buffers: List[BufferReport]) -> None:
+    """The chunk's totals over its compressed buckets: buckets, elements, bytes per step per
+    rank on the wire against stock (both hierarchical stages together under
+    ``--loco-hierarchical``), and the error state's memory and checkpoint bytes."""
+    compressed = [b for buf in buffers for b in buf.compressed]
+    if not compressed:
+        why = ("data-parallel size 1, no gradient is communicated" if all(
+            buf.group_size <= 1 for buf in buffers) else "no gradient is compressed")
+        print_rank_0(f"> LoCo: model chunk {chunk}: {why}; stock path")
         return
-    loco, stock = expected_bytes_per_step(config, buckets)
-    numel = sum(lay.numel for lay, _ in buckets)
+    loco, stock, detail = wire_figures(config, compressed)
+    layouts = [lay for _, lay, _ in compressed]
+    numel = sum(lay.numel for lay in layouts)
     ratio = loco / stock if stock else 0.0
     print_rank_0(
-        f"> LoCo: model chunk {chunk}: {len(buckets)} buckets, {numel} gradient elements, "
-        f"{loco} bytes/step per rank on the wire vs {stock} stock ({ratio:.3f}x)")
-    memory, disk = error_state_bytes(config, [lay for lay, _ in buckets])
-    print_rank_0(
-        f"> LoCo: model chunk {chunk}: error state {memory} bytes per rank in memory "
-        f"({memory / numel:.3f} B/element), <= {disk} tensor bytes per rank per checkpoint "
-        f"({disk / numel:.3f} B/element)")
-    padded = sum(lay.world * lay.padded_shard for lay, _ in buckets)
-    if padded > 1.5 * numel:
+        f"> LoCo: model chunk {chunk}: {len(compressed)} buckets, {numel} gradient elements, "
+        f"{loco} bytes/step per rank on the wire vs {stock} stock ({ratio:.3f}x"
+        + (f"; hierarchical: {detail}" if detail else "") + ")")
+    if not config.hierarchical:  # hierarchical: per-stage buffers, on the topology line
+        memory, disk = error_state_bytes(config, layouts)
         print_rank_0(
-            f"> LoCo WARNING: {padded / numel:.2f}x elements on the wire after padding (LoCo "
-            f"sends {ratio:.2f}x of stock bytes): blocks are padded at every parameter "
-            f"and shard boundary, so --loco-block-size {config.block_size} is too large for "
-            f"this model; use 256 (the default) or smaller.")
-
+            f"> LoCo: model chunk {chunk}: error state {memory} bytes per rank in memory "
+            f"({memory / numel:.3f} B/element), <= {disk} tensor bytes per rank per checkpoint "
+            f"({disk / numel:.3f} B/element)")
 
 
 def log_param_gather(chunk: int, config: LoCoConfig,
@@ -101,7 +201,6 @@ def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
     for group, lays in by_group.values():
         topo = group_topology(group)
         M, L = topo.num_nodes, topo.per_node
-        intra, inter = hierarchical_bytes_per_step(config, M, L, lays)
         elements = sum(stage_error_elements(config, M, L, lay) for lay, _ in lays)
         memory = (elements + 4 * (elements // config.block_size) if config.error_dtype == "int8"
                   else 4 * elements)
@@ -116,9 +215,8 @@ def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
         print_rank_0(
             f"> LoCo hierarchical: model chunk {chunk}, data-parallel group of {M * L} ranks = "
             f"{M} node{'s' if M != 1 else ''} x {L} ranks "
-            f"(LOCAL_WORLD_SIZE={topo.local_world_size}): {mode}; "
-            f"{intra} bytes/step per rank intra-node, {inter} inter-node; error state {memory} "
-            f"bytes per rank in memory (these replace the flat figures)")
+            f"(LOCAL_WORLD_SIZE={topo.local_world_size}): {mode}; error state {memory} "
+            f"bytes per rank in memory (both stages)")
 
 
 

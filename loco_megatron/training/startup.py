@@ -72,6 +72,14 @@ def loco_config(args) -> LoCoConfig:
 
 _SAID = []
 
+#: megatron's persistent checkpoint worker (dist_checkpointing/strategies/async_utils.py) is a
+#: process of its own, outside the CUDA emulation: it calls torch.cuda.set_device(rank %
+#: device_count()) there and dies (ZeroDivisionError), and the ranks then hang in the save
+ASYNC_SAVE_ON_CPU = (
+    "--async-save needs a GPU: on CPU ranks megatron's persistent checkpoint worker runs outside "
+    "the CUDA emulation, dies, and leaves the ranks hanging in the save; drop --async-save "
+    "(checkpoints are then written synchronously) or run on GPUs.")
+
 
 def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> bool:
     """Before Megatron starts: expand ``--config FILE`` (YAML, :mod:`.yaml_config`), check the
@@ -83,7 +91,8 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
     defaults); an explicit ``argv`` is only checked.
 
     The ``megatron`` package that will run must already be importable (for a checkout: its
-    directory first on ``sys.path``). Exits through :func:`fail` on a bad LoCo flag.
+    directory first on ``sys.path``). Exits through :func:`fail` on a bad LoCo flag, and on
+    ``--async-save`` without a GPU (:data:`ASYNC_SAVE_ON_CPU`, LoCo on or off).
 
     Returns:
         True when the CPU emulation is active (no GPU).
@@ -104,10 +113,15 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
         check_data_args(argv)  # and missing or damaged --data-path files
     except (LoCoConfigError, DataPathError, ScheduleError) as e:
         fail(e)
+    from ..cli.console import install_excepthook
     from ..emulation import activate_if_no_gpu
     from . import workarounds
 
+    install_excepthook()  # LoCo's refusals from inside Megatron's calls: one line each
+
     emulated = activate_if_no_gpu()
+    if emulated and "--async-save" in argv:
+        fail(LoCoConfigError(ASYNC_SAVE_ON_CPU))
     if not (main_job or emulated or config.bits is not None or config.param_bits is not None):
         return emulated  # LoCo off in the user's own script on a GPU: megatron as shipped
     applied = workarounds.apply_needed(emulated)

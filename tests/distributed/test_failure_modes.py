@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.multiproc import run_ranks
-from .worker_failures import MISMATCHES, agreement_worker, nan_worker
+from .worker_failures import MISMATCHES, agreement_worker, nan_worker, per_token_loss_worker
 
 EXPECTED = {  # mismatch -> (field named, rank 0's value, rank 1's value)
     "block_size": ("block_size", "256", "128"),
@@ -37,6 +37,17 @@ def test_disagreeing_ranks_fail_at_startup_naming_the_field(agreement, name):
             assert f"global rank 0 has {v0}, global rank 1 has {v1}" in msg, msg
         assert "--loco-* flags" in msg and out[name + ".calls"] == 0
     assert agreement[0][name] == agreement[1][name]  # every rank raises the same error
+
+
+def test_per_token_loss_refused_when_the_model_is_wrapped():
+    """--calculate-per-token-loss (TransformerConfig.calculate_per_token_loss): megatron divides
+    by the token count after the reduce-scatter, so LoCo's carried error would change units
+    between steps; refused at DDP construction with the reason, on every rank; LoCo off builds."""
+    for out in run_ranks(per_token_loss_worker, 2, timeout_s=600):
+        assert out[4] is not None and out[4].startswith(
+            "--loco-bits cannot be used with --calculate-per-token-loss"), out
+        assert "finalize_model_grads" in out[4]
+        assert out[16] is None
 
 
 def _block_of(buckets, index, block):

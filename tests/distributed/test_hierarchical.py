@@ -14,7 +14,7 @@ from loco_megatron.quantization import dequantize_blockwise, quantize_blockwise
 from tests.helpers.multiproc import run_ranks
 from .test_checkpoint import FORMATS, _assert_resumed_exactly, _load, _save_jobs
 from .worker_ckpt import ckpt_worker
-from .worker_hierarchical import BLOCK, grad, layout, two_nodes_worker
+from .worker_hierarchical import PIPELINE_BUCKETS, BLOCK, grad, layout, two_nodes_worker
 
 WORLD, LOCAL = 4, 2
 NODES = [[0, 1], [2, 3]]
@@ -241,6 +241,19 @@ def test_megatron_gpt_two_nodes(two_nodes):
         assert wire["calls"] == steps * len(loco4["layouts"])
         elements = sum(stage_error_elements(cfg, 2, 2, lay) for lay in loco4["layouts"])
         assert loco4["error_bytes"] == elements + 4 * elements // cfg.block_size  # int8 + scales
+    # start-up lines (rank 0): the real two-stage figures, printed once, on the buffer line and
+    # the chunk's totals; the topology line names nodes x ranks and the stages' error state
+    lines = results[0]["loco4"]["startup"]
+    real = f"{intra + inter} bytes/step per rank on the wire vs "
+    buffer = [line for line in lines if "dense gradient buffer 0" in line]
+    assert len(buffer) == 1 and "compressed at 4 bits (hierarchical): " + real in buffer[0], lines
+    assert buffer[0].endswith(f"; {intra} intra-node + {inter} inter-node"), buffer[0]
+    total = [line for line in lines if line.startswith("> LoCo: model chunk 0: ")]
+    assert len(total) == 1 and real in total[0] and "hierarchical: " in total[0], lines
+    topology = [line for line in lines if line.startswith("> LoCo hierarchical: ")]
+    assert len(topology) == 1 and "2 nodes x 2 ranks" in topology[0], lines
+    assert "bytes/step" not in topology[0] and f"error state {loco4['error_bytes']} " in topology[0]
+    assert sum(line.count(real) for line in lines) == 2  # buffer line and chunk total only
 
 
 def test_checkpoint_resume_bit_identical_and_topology_change(two_nodes):
@@ -263,3 +276,23 @@ def test_checkpoint_resume_bit_identical_and_topology_change(two_nodes):
         assert len(logs) == (1 if rank == 0 else 0), logs
         assert all("topology changed 2 nodes x 2 ranks, intra-node 8 bits -> flat" in m
                    for m in logs)
+
+
+@pytest.mark.parametrize("intra", [16, 8])
+def test_inter_node_stage_issued_before_its_wait(two_nodes, intra):
+    """Asynchronous buckets (megatron's overlapped backward hooks): bucket k's inter-node
+    all-to-all is issued by bucket k+1's call, right before bucket k+1's intra-node stage, so the
+    slow link overlaps the rest of the backward pass; only the last bucket's goes out in its own
+    wait(). Outputs and both stages' error buffers equal the synchronous run's bit for bit."""
+    last = PIPELINE_BUCKETS - 1
+    for rank in two_nodes["ranks"]:
+        res = rank["pipeline"][intra]
+        assert res["same"], intra
+        assert res["stages"] == (["inter", "intra"] if intra == 8 else ["inter"])
+        events = list(dict.fromkeys(res["events"]))  # first occurrence of each (stage, bucket)
+        expected = [("intra", 0)]
+        for b in range(1, PIPELINE_BUCKETS):
+            expected += [("inter", b - 1), ("intra", b)]
+        expected += [("wait", 0)] + [("wait", b) for b in range(1, last)] + [("wait", last),
+                                                                              ("inter", last)]
+        assert events == expected, events

@@ -6,11 +6,13 @@ checkpointed with the ChainedOptimizer's dense and expert DistributedOptimizers.
 (gloo + CUDA emulation), all-gather token dispatcher.
 """
 
+import re
+
 import pytest
 import torch
 
 from tests.helpers.multiproc import run_ranks
-from .worker_moe import corrupt_load_worker, moe_worker
+from .worker_moe import corrupt_load_worker, moe_worker, startup_lines_worker
 from .worker_resume import FORMATS
 
 STEPS = 4
@@ -62,3 +64,32 @@ def test_one_rank_failing_to_load_stops_every_rank(tmp_path, optimizer_index, dp
     assert all(errors), errors
     assert any(f"loco_state_{optimizer_index}_{dp_file}.pt" in e for e in errors), errors
     assert any("loading the checkpoint failed on rank" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("world,ep,dense,expert", [
+    # EP 1: megatron-core keeps the experts in the dense buffer (one buffer, all parameters)
+    (2, 1, "data-parallel group of 2 ranks", None),
+    # EP 2 on 2 ranks: the expert-DP group has 1 rank, the expert gradients are not sent
+    (2, 2, "data-parallel group of 2 ranks",
+     "expert data-parallel group of 1 rank: not communicated (nothing to reduce)"),
+    # EP 2 on 4 ranks: dense over 4 ranks, experts compressed over the 2-rank expert-DP group
+    (4, 2, "data-parallel group of 4 ranks",
+     "reduce-scattered over its expert data-parallel group of 2 ranks, compressed at 4 bits"),
+])
+def test_startup_lines_name_every_gradient_buffer(world, ep, dense, expert):
+    """One start-up line per gradient buffer, dense and expert, saying whether it is
+    compressed (and over which group), or not communicated and why; the chunk's totals are
+    the sum of the compressed buffers' figures."""
+    lines = run_ranks(startup_lines_worker, world, ep, timeout_s=600)[0]
+    buffers = [line for line in lines if "gradient buffer" in line]
+    kinds = [line.split(" gradient buffer")[0].rsplit(", ", 1)[1] for line in buffers]
+    assert kinds == (["dense"] if expert is None else ["dense", "expert"]), lines
+    assert f"reduce-scattered over its {dense}, compressed at 4 bits: " in buffers[0], buffers[0]
+    if expert is not None:
+        assert expert in buffers[1], buffers[1]
+    figures = re.compile(r"(\d+) bytes/step per rank on the wire vs (\d+) stock")
+    per_buffer = [tuple(map(int, figures.search(line).groups())) for line in buffers
+                  if "compressed at" in line]
+    assert len(per_buffer) == (2 if world == 4 else 1)
+    total = [line for line in lines if line.startswith("> LoCo: model chunk 0: ")][0]
+    assert tuple(map(int, figures.search(total).groups())) == tuple(map(sum, zip(*per_buffer)))

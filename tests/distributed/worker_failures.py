@@ -42,6 +42,29 @@ def agreement_worker(rank, world, names):
     return out
 
 
+def per_token_loss_worker(rank, world):
+    """megatron-core API: a model whose TransformerConfig has calculate_per_token_loss, wrapped
+    in DDP under LoCo 4-bit (DP 2) and under LoCo off. Returns the error messages (or None)."""
+    import loco_megatron
+
+    def per_token(gpt):
+        gpt.config.calculate_per_token_loss = True
+        return gpt
+
+    setup(1, "gloo")
+    out = {}
+    for bits in (4, 16):
+        loco_megatron.install(loco_megatron.LoCoConfig(bits=bits))
+        try:
+            build_gpt(overlap=False, module_fn=per_token)
+            out[bits] = None
+        except loco_megatron.LoCoConfigError as e:
+            out[bits] = str(e)
+        finally:
+            loco_megatron.uninstall()
+    return out
+
+
 def nan_worker(rank, world, storage):
     """LoCo 4-bit, megatron's check_for_nan_in_grad off: a NaN (step 1) then an inf (step 2)
     written into rank 1's gradient buffer before the reduce-scatter. Returns per step the error

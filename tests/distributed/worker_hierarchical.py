@@ -1,5 +1,8 @@
 """Rank workers of test_hierarchical.py (the two-stage reduce-scatter on gloo ranks)."""
 
+import contextlib
+import io
+
 import torch
 import torch.distributed as dist
 
@@ -106,8 +109,10 @@ def _train_hierarchical(bits, steps, check_steps):
 
     state = loco_megatron.install(LoCoConfig(bits=bits, block_size=64, hierarchical=True))
     recorder = _Recorder(state) if state.active else None
+    startup = io.StringIO()
     try:
-        model, opt = build_gpt(True, 6000)
+        with contextlib.redirect_stdout(startup):  # the start-up lines (rank 0 prints them)
+            model, opt = build_gpt(True, 6000)
         losses, worst = [], {"shard": 0.0, "partial": 0.0}
         for step in range(steps):
             if recorder is not None:
@@ -117,7 +122,8 @@ def _train_hierarchical(bits, steps, check_steps):
                 for k, v in recorder.check(model, ps.get_data_parallel_group()).items():
                     worst[k] = max(worst[k], v)
             opt.step()
-        res = {"losses": losses,
+        res = {"losses": losses, "startup": [line for line in startup.getvalue().splitlines()
+                                             if line.startswith("> LoCo")],
                "params": {n: p.detach().clone() for n, p in model.module.named_parameters()}}
         if state.active:
             keys = {b.loco_key for g in model.bucket_groups for b in g.buckets}
@@ -210,7 +216,69 @@ def two_nodes_worker(rank, world, steps, check_steps, ckpt_jobs):
     from .worker_ckpt import ckpt_worker
 
     out = {"collective": collective_worker(rank, world),
+           "pipeline": pipeline_worker(rank, world),
            "gpt": gpt_worker(rank, world, steps, check_steps)}
     ps.destroy_model_parallel()  # ckpt_worker initialises its own
     out["ckpt"] = ckpt_worker(rank, world, 1, ckpt_jobs)
+    return out
+
+
+PIPELINE_BUCKETS = 4
+
+
+def pipeline_worker(rank, world):
+    """Several buckets launched asynchronously, as megatron's backward hooks do, then waited in
+    order: the order in which this rank issued its all-to-alls and waits (``("intra" | "inter",
+    bucket)`` / ``("wait", bucket)``), and whether outputs and both stages' error buffers equal a
+    synchronous run's bit for bit, over 2 steps, for 16- and 8-bit intra-node stages."""
+    lay, shard = layout(world), NUMEL // world
+    topo = NodeTopology.build(list(range(world)), 2)
+    peers = set(topo.nodes[topo.node_of(rank)])
+    out = {}
+    for intra in (16, 8):
+        cfg = LoCoConfig(bits=4, block_size=BLOCK, hierarchical=True, intra_node_bits=intra)
+        runs = {}
+        for mode in ("sync", "async"):
+            comp, events, seen = Compensator(cfg), [], {"intra": 0, "inter": 0}
+            orig = dist.all_to_all_single
+
+            def recording(output, input, output_split_sizes=None, input_split_sizes=None,
+                          **kwargs):
+                to = {j for j, n in enumerate(input_split_sizes) if n}
+                stage = "intra" if to <= peers else "inter"
+                events.append((stage, seen[stage] // (2 if stage == "inter" or intra == 8
+                                                        else 1) % PIPELINE_BUCKETS))
+                seen[stage] += 1
+                return orig(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+            dist.all_to_all_single = recording
+            try:
+                outputs = []
+                for step in range(2):
+                    works, outs = [], []
+                    for b in range(PIPELINE_BUCKETS):
+                        o = torch.empty(shard)
+                        works.append(hierarchical_reduce_scatter(
+                            o, grad(rank, 10 * step + b), async_op=mode == "async",
+                            compensator=comp, key=f"b{b}", layout=lay, topology=topo))
+                        outs.append(o)
+                    for b, w in enumerate(works):
+                        events.append(("wait", b))
+                        if w is not None:
+                            w.wait()
+                    outputs.append(outs)
+            finally:
+                dist.all_to_all_single = orig
+            runs[mode] = {"outputs": outputs, "events": events[:len(events) // 2],
+                          "errors": {k: {n: t.clone() for n, t in buf.tensors().items()}
+                                     for k, buf in comp.errors.items()}}
+        same = (all(torch.equal(a, b) for s, t in zip(runs["sync"]["outputs"],
+                                                      runs["async"]["outputs"])
+                    for a, b in zip(s, t))
+                and runs["sync"]["errors"].keys() == runs["async"]["errors"].keys()
+                and all(torch.equal(runs["sync"]["errors"][k][n], t)
+                        for k, fields in runs["async"]["errors"].items()
+                        for n, t in fields.items()))
+        out[intra] = {"events": runs["async"]["events"], "same": same,
+                      "stages": sorted({str(k[1]) for k in runs["async"]["errors"]})}
     return out

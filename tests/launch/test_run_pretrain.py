@@ -169,6 +169,26 @@ def test_unconvertible_loco_value_is_one_line(tmp_path):
     assert "usage:" not in proc.stderr
 
 
+def test_async_save_refused_on_cpu_ranks(tmp_path):
+    """--async-save without a GPU: one line at start-up (LoCo on, the default), never a hang in
+    the save (megatron's persistent checkpoint worker runs outside the CUDA emulation)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: --async-save is megatron's own there")
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--mock-data",
+                           "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+                           "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
+                           "--async-save", "--use-persistent-ckpt-worker",
+                           "--async-strategy", "mcore"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "error: --async-save needs a GPU" in out, _excerpt(out)
+    assert "building GPT model" not in out and "LoCoConfigError" not in out  # our one line
+
+
 def test_fsdp_refused_at_startup(tmp_path):
     env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--use-megatron-fsdp",

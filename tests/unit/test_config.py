@@ -103,6 +103,7 @@ def test_param_bits_refusals_in_the_preflight(flag):
     ({"use_distributed_optimizer": False}, "--use-distributed-optimizer"),
     ({"ddp_reduce_scatter_with_fp32_accumulation": True},
      "--ddp-reduce-scatter-with-fp32-accumulation"),
+    ({"calculate_per_token_loss": True}, "--calculate-per-token-loss"),
 ])
 def test_megatron_combinations_refused_at_startup(attrs, flag):
     from loco_megatron.cli.preflight import check_megatron_args
@@ -147,6 +148,18 @@ def test_plain_ddp_refused_only_where_gradients_are_communicated(sizes, refused)
             check_megatron_args(args, LoCoConfig(bits=4))
     else:
         check_megatron_args(args, LoCoConfig(bits=4))
+
+
+def test_preparse_accepts_a_yaml_cfg_file_naming_itself(tmp_path):
+    """Megatron's --yaml-cfg files may hold a top-level ``yaml_cfg`` key (load_yaml overwrites
+    it): LoCo's early read must not trip over it; a missing file is one clear error."""
+    from loco_megatron.cli.preflight import preparse_loco_config
+
+    path = tmp_path / "megatron.yaml"
+    path.write_text(f"yaml_cfg: {path}\nloco:\n  bits: 8\n")
+    assert preparse_loco_config(["--yaml-cfg", str(path)]).bits == 8
+    with pytest.raises(LoCoConfigError, match=r"--yaml-cfg .*nope\.yaml: cannot read the file"):
+        preparse_loco_config(["--yaml-cfg", str(tmp_path / "nope.yaml")])
 
 
 def test_preparse_reads_the_loco_settings_of_a_megatron_yaml_cfg(tmp_path):
