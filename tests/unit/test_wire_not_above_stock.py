@@ -1,4 +1,4 @@
-"""LoCo never sends more bytes than megatron's stock reduce-scatter (issue 18.1): a block size at
+"""LoCo never sends more bytes than megatron's stock reduce-scatter: a block size at
 which the padded blocks would, is refused at start-up naming ``--loco-block-size`` and the
 largest power-of-two block size that fits (loco_megatron/accounting.py)."""
 
