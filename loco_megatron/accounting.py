@@ -134,6 +134,6 @@ def check_wire_not_above_stock(config: LoCoConfig,
               "gain from compression; run with --loco-bits 16")
     raise LoCoConfigError(
         f"--loco-block-size {config.block_size}: LoCo would send {loco} bytes/step per rank vs "
-        f"{stock} for megatron's stock reduce-scatter ({loco / stock:.2f}x): blocks are padded "
-        f"at every parameter and data-parallel shard boundary, so most of each block would be "
-        f"padding; {advice}.")
+        f"{stock} for megatron's stock reduce-scatter ({loco / stock:.3f}x): blocks are padded "
+        f"at every parameter and data-parallel shard boundary, and at this block size the "
+        f"padding outweighs the compression; {advice}.")

@@ -117,7 +117,8 @@ def launch(works: List, finish: Callable[[], None], comm_timer, async_op: bool):
 
 class GroupWork:
     """One handle over several: what megatron-core's bucket group stores as
-    ``grad_reduce_handle`` when LoCo replaced its coalesced reduce-scatters."""
+    ``grad_reduce_handle`` when LoCo replaced its coalesced reduce-scatters (megatron's own
+    coalescing handle first, then LoCo's handles in bucket order)."""
 
     def __init__(self, works: List):
         self._works = works

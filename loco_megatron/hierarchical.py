@@ -44,7 +44,7 @@ from .layout import BucketLayout
 from .node_topology import NodeTopology, group_topology, local_world_size
 
 __all__ = ["INTRA", "INTER", "NodeTopology", "group_topology", "local_world_size",
-           "HierarchicalWork", "hierarchical_reduce_scatter"]
+           "HierarchicalWork", "forget_pending_inter_stages", "hierarchical_reduce_scatter"]
 
 #: error-buffer key suffixes of the two stages: ``(bucket key, STAGE)``
 INTRA, INTER = "intra", "inter"
@@ -144,6 +144,12 @@ class HierarchicalWork:
     def is_completed(self) -> bool:
         """True once :meth:`wait` has written the reduced shard."""
         return self._done
+
+
+def forget_pending_inter_stages() -> None:
+    """Drop every handle still waiting to issue its inter-node stage (``uninstall()``: a step
+    interrupted before megatron waited on its buckets leaves them; their buffers go too)."""
+    _PENDING.clear()
 
 
 def _issue_pending(group_key) -> None:

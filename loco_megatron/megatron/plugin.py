@@ -26,7 +26,7 @@ import torch
 from ..accounting import check_wire_not_above_stock
 from ..agreement import check_layouts_agree
 from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
-from ..hierarchical import hierarchical_reduce_scatter
+from ..hierarchical import forget_pending_inter_stages, hierarchical_reduce_scatter
 from ..compensator import Compensator
 from ..config import PER_TOKEN_LOSS, LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
@@ -263,10 +263,20 @@ def _wrap_start_grad_sync(orig):
         finally:
             module.dist_reduce_scatter_func = saved
         if works and self.grad_reduce_handle is not None:
-            self.grad_reduce_handle = GroupWork(works)
+            # megatron's own handle (its _coalescing_manager) first: it finishes what torch
+            # queued there (a stock reduce-scatter LoCo hands through, e.g. hierarchical on one
+            # node at 16 intra-node bits, whose own handle is torch's placeholder _IllegalWork)
+            self.grad_reduce_handle = GroupWork(
+                [self.grad_reduce_handle] + [w for w in works if not _placeholder(w)])
         state.nonfinite.poll()  # NaN/Inf met by this or an earlier launch: a warning
         return result
     return start_grad_sync
+
+
+def _placeholder(work) -> bool:
+    """True for torch's ``_IllegalWork``: what a collective issued inside a
+    ``_coalescing_manager`` returns (the manager's handle finishes it; waiting on it raises)."""
+    return type(work).__name__ == "_IllegalWork"
 
 
 def _foreign_reduce_scatter_message(func, when: str) -> str:
@@ -373,6 +383,7 @@ def uninstall() -> None:
     _STATE.patches.restore()
     _STATE = None
     ckpt_hooks.forget_pending_loads()
+    forget_pending_inter_stages()  # handles an interrupted step never waited on
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ from loco_megatron.quantization import dequantize_blockwise, quantize_blockwise
 from tests.helpers.multiproc import run_ranks
 from .test_checkpoint import FORMATS, _assert_resumed_exactly, _load, _save_jobs
 from .worker_ckpt import ckpt_worker
-from .worker_hierarchical import PIPELINE_BUCKETS, BLOCK, grad, layout, two_nodes_worker
+from .worker_hierarchical import (PIPELINE_BUCKETS, BLOCK, grad, layout, one_node_worker,
+                                  two_nodes_worker)
 
 WORLD, LOCAL = 4, 2
 NODES = [[0, 1], [2, 3]]
@@ -296,3 +297,16 @@ def test_inter_node_stage_issued_before_its_wait(two_nodes, intra):
         expected += [("wait", 0)] + [("wait", b) for b in range(1, last)] + [("wait", last),
                                                                               ("inter", last)]
         assert events == expected, events
+
+
+def test_one_node_with_overlap_is_stock():
+    """4 ranks on one node (LOCAL_WORLD_SIZE=4), 16 intra-node bits, overlap on: nothing
+    crosses nodes, so megatron's stock reduce-scatter runs (issued inside megatron's coalescing
+    manager, whose handle LoCo keeps): losses and parameters equal stock's bit for bit."""
+    results = run_ranks(one_node_worker, WORLD, 3, local_world_size=WORLD)
+    for res in results:
+        assert res["hier"]["losses"] == res["stock"]["losses"]
+        assert all(torch.equal(p, res["hier"]["params"][n])
+                   for n, p in res["stock"]["params"].items())
+    assert any("one node, no inter-node link" in line
+               for line in results[0]["hier"]["startup"]), results[0]["hier"]["startup"]

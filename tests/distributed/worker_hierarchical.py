@@ -282,3 +282,16 @@ def pipeline_worker(rank, world):
         out[intra] = {"events": runs["async"]["events"], "same": same,
                       "stages": sorted({str(k[1]) for k in runs["async"]["errors"]})}
     return out
+
+
+def one_node_worker(rank, world, steps):
+    """The whole DP group on one node (LOCAL_WORLD_SIZE = world), 16 intra-node bits, overlap
+    on: the intra-node stage is megatron's stock reduce-scatter, issued inside megatron's
+    ``_coalescing_manager``. Returns stock's and hierarchical LoCo's losses and parameters."""
+    from .worker_megatron import setup, train
+
+    setup(1, "gloo")
+    out = {"stock": train("stock", True, steps, bucket_size=6000, check_steps=())}
+    res = _train_hierarchical(4, steps, ())
+    out["hier"] = {"losses": res["losses"], "params": res["params"], "startup": res["startup"]}
+    return out

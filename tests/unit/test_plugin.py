@@ -92,3 +92,16 @@ def test_several_distributed_optimizer_instances_accepted():
     cfg = _DDPConfig()
     cfg.num_distributed_optimizer_instances = 2
     plugin.check_ddp_config(cfg)
+
+
+def test_uninstall_forgets_inter_stages_never_issued():
+    """A step interrupted before megatron waited on its hierarchical buckets leaves handles
+    waiting to issue their inter-node stage; uninstall() drops them (and their buffers), so a
+    later install never issues a stale collective."""
+    from loco_megatron import hierarchical
+
+    loco_megatron.install(LoCoConfig(bits=4, hierarchical=True))
+    stale = hierarchical.HierarchicalWork("group", [], lambda: [], lambda: None, None)
+    hierarchical._PENDING.setdefault("group", []).append(stale)
+    loco_megatron.uninstall()
+    assert hierarchical._PENDING == {}
