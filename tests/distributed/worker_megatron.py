@@ -241,7 +241,8 @@ def param_ranges_worker(rank, world):
     from loco_megatron.megatron import compat
 
     setup(1, "gloo")
-    loco_megatron.install(loco_megatron.LoCoConfig(bits=4))
+    # parameters of 3-70 elements: small blocks, or LoCo would send more than stock (refused)
+    loco_megatron.install(loco_megatron.LoCoConfig(bits=4, block_size=16))
     try:
         from megatron.core.distributed import (DistributedDataParallel,
                                                DistributedDataParallelConfig)
