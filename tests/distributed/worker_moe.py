@@ -19,7 +19,7 @@ from tests.distributed.worker_megatron import SEQ, VOCAB, ShardChecker, forward_
 HIDDEN, EXPERTS, EP = 32, 4, 2
 
 
-def setup_moe(ep: int = EP):
+def setup_moe(ep=None):
     """CUDA emulation and model-parallel groups with expert parallelism ``EP``. The MoE
     router's ``@jit_fuser`` / ``@torch.compile`` functions run eagerly: dynamo cannot trace
     under the CUDA emulation (loco_megatron/emulation/cpu_cuda.py)."""
@@ -33,10 +33,10 @@ def setup_moe(ep: int = EP):
 
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16 without Transformer Engine tests it
         moe_utils.te_general_gemm = None           # unguarded in RouterGatingLinearFunction
-    ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(expert_model_parallel_size=EP if ep is None else ep)
 
 
-def build_moe_gpt(overlap: bool, bucket_size: int = 4000, ep: int = EP):
+def build_moe_gpt(overlap: bool, bucket_size: int = 4000, ep=None):
     """A seeded 2-layer MoE GPTModel (4 experts, top-2, all-to-all dispatcher) in megatron-core
     DDP with the distributed optimizer, and its ``ChainedOptimizer`` (dense + expert Adam)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -52,7 +52,8 @@ def build_moe_gpt(overlap: bool, bucket_size: int = 4000, ep: int = EP):
                             use_cpu_initialization=True, pipeline_dtype=torch.float32,
                             hidden_dropout=0.0, attention_dropout=0.0,
                             num_moe_experts=EXPERTS, moe_router_topk=2,
-                            expert_model_parallel_size=ep, moe_token_dispatcher_type="allgather",
+                            expert_model_parallel_size=EP if ep is None else ep,
+                            moe_token_dispatcher_type="allgather",
                             moe_aux_loss_coeff=0.0, add_bias_linear=False)  # 0.13: MoE has no bias
     gpt = GPTModel(config=cfg, vocab_size=VOCAB, max_sequence_length=SEQ,
                    transformer_layer_spec=get_gpt_layer_local_spec(
