@@ -8,7 +8,7 @@ megatron): used by the start-up lines (:mod:`loco_megatron.megatron.report`), th
 import dataclasses
 from typing import List, Tuple
 
-from .config import LoCoConfig
+from .config import LoCoConfig, LoCoConfigError
 from .layout import BucketLayout
 from .quantization import wire_bytes
 
@@ -114,8 +114,6 @@ def check_wire_not_above_stock(config: LoCoConfig,
             block size (down to 16) at which LoCo sends no more than stock, or, if none does,
             that this model is too small to gain from compression.
     """
-    from .config import LoCoConfigError
-
     loco, stock = expected_bytes_per_step(config, buckets)
     if not buckets or loco <= stock:
         return

@@ -85,10 +85,9 @@ def wire_figures(config: LoCoConfig, compressed: List[tuple]) -> Tuple[int, int,
     Raises:
         LoCoConfigError: ``--loco-hierarchical`` with a bad ``LOCAL_WORLD_SIZE``.
     """
-    lays = [(lay, elem) for _, lay, elem in compressed]
-    _, stock = expected_bytes_per_step(config, lays)
+    loco, stock = expected_bytes_per_step(config, [(lay, elem) for _, lay, elem in compressed])
     if not config.hierarchical:
-        return expected_bytes_per_step(config, lays)[0], stock, ""
+        return loco, stock, ""
     from ..hierarchical import group_topology
 
     intra = inter = 0
