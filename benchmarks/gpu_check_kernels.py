@@ -31,7 +31,7 @@ import torch
 from loco_megatron import kernels
 from loco_megatron.error_buffer import ErrorBuffer
 from loco_megatron.layout import BucketLayout
-from loco_megatron.quantization import decode
+from loco_megatron.quantization import dequantize_spans, unpack_codes
 
 from .throughput import BLOCK, WORLD, _setup
 
@@ -143,7 +143,8 @@ def grid_kwargs():
 def _compress_run(impl, device, layout, bits, dtype, gkw):
     """Per step (CPU copies): payload, scales, non-finite count, error codes, error scales."""
     table = kernels.block_table(layout, device)
-    err = ErrorBuffer(table.padded_numel, layout.block_size, "int8", torch.float32, device)
+    err = ErrorBuffer(table.padded_numel, layout.block_size, "int8", torch.float32, device,
+                      table.spans)
     gen = torch.Generator().manual_seed(11)
     steps = []
     for step in range(CHECK_STEPS):
@@ -191,10 +192,13 @@ def decompress_check(impl, device, layout, bits, dtype, payload, scales):
     table = kernels.block_table(layout, device)
     table_cpu = kernels.block_table(layout, "cpu")
     world, shard = layout.world, layout.shard
-    absum = decode(payload.cpu(), scales.cpu(), bits, layout.block_size).abs() \
-        .view(world, layout.padded_shard).sum(dim=0)
+    codes, K = unpack_codes(payload.cpu(), bits), table_cpu.blocks_per_shard
     res = {"elements": 0, "equal": 0, "max_abs_diff": 0.0, "within_bound": True}
     for rank in range(world):
+        # the chunks as rank ``rank`` reads them: its shard's blocks, once per sender
+        spans = table_cpu.spans[rank * K:(rank + 1) * K].repeat(world)
+        absum = dequantize_spans(codes, scales.cpu(), spans).abs() \
+            .view(world, layout.padded_shard).sum(dim=0)
         got = torch.empty(shard, dtype=dtype, device=device)
         kernels.decompress_shard(impl, payload.to(device), scales.to(device), table, rank,
                                  bits=bits, average=True, out=got)

@@ -140,7 +140,7 @@ def _markdown(dims: Dict, results: Dict[str, Dict], big: List[Dict], tele: Dict)
     lines += [
         "", f"* Persistent: int8 codes + one fp32 scale per block = n * (1 + 4/256) bytes, "
         "exactly `error_bytes()`, the same for both implementations (plus the cached block "
-        "table, 12 bytes per block, not counted).",
+        "table, 20 bytes per block on the device, not counted).",
         f"* The {fused0['impl']} path (the default): the error buffer is updated in place and the "
         f"bucket read through its block table, so the transient peak is the wire buffers "
         f"(payload + scales sent and received), in `{fused0['peak_phase']}`: {fb / n:.2f} bytes "

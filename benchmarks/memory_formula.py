@@ -115,8 +115,8 @@ def loco_memory_formula(layout: BucketLayout, grad_element_size: int, bits: int,
     """Memory the compressed reduce-scatter of one bucket needs on one rank (synchronous call).
 
     Args:
-        layout: the bucket's padded :class:`BucketLayout`; ``n = world * padded_shard``
-            elements, ``s = n / block_size`` blocks.
+        layout: the bucket's :class:`BucketLayout`; ``n = world * padded_shard`` wire
+            elements, ``s = world * blocks_per_shard`` blocks.
         grad_element_size: bytes per gradient element (the reduce-scatter's input and output).
         bits: 4 or 8. ``block_size``: elements per block. ``error_dtype``: ``"int8"``/``"fp32"``.
         impl: ``"fused"`` (C kernel with ``device="cpu"``, Triton with ``"cuda"``), ``"torch"``
@@ -135,14 +135,15 @@ def loco_memory_formula(layout: BucketLayout, grad_element_size: int, bits: int,
         "phase_bytes": {name: bytes}, "transient_peak", "peak_phase", "wire"}``: each phase lists
         the tensors live at its peak beyond the gradient buffer and the persistent state;
         ``persistent`` is the error buffer (exactly ``Compensator.error_bytes()``), ``table``
-        the cached block table (int64 + int32 per block), ``wire`` payload + scales one way.
+        the cached block table on the device (source and wire offsets int64, length int32 per
+        block; its int64 spans stay on the host), ``wire`` payload + scales one way.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl {impl!r} is not one of {IMPLS}")
     if impl in ("cpu", "triton"):
         impl, device = "fused", "cpu" if impl == "cpu" else "cuda"
     n = layout.world * layout.padded_shard
-    s = n // block_size
+    s = layout.nblocks
     persistent = n + 4 * s if error_dtype == "int8" else 4 * n
     if impl == "fused":
         phases = _fused_phases(n, layout.numel, layout.shard, s, bits, block_size, device,
@@ -154,7 +155,7 @@ def loco_memory_formula(layout: BucketLayout, grad_element_size: int, bits: int,
     peak = max(b for b, _ in sums)
     peak_phase = next(name for b, name in sums if b == peak)
     return {"impl": impl if impl == "torch" else f"fused ({'C' if device == 'cpu' else 'Triton'})",
-            "n_padded": n, "persistent": persistent, "table": 12 * s, "phases": phases,
+            "n_padded": n, "persistent": persistent, "table": 20 * s, "phases": phases,
             "phase_bytes": {name: b for b, name in sums}, "transient_peak": peak,
             "peak_phase": peak_phase, "wire": n * bits // 8 + 4 * s}
 

@@ -28,7 +28,7 @@ BLOCK = 256
 def _setup(numel, dtype, device):
     layout = BucketLayout.build(numel, WORLD, BLOCK)
     table = kernels.block_table(layout, device)
-    err = ErrorBuffer(table.padded_numel, BLOCK, "int8", torch.float32, device)
+    err = ErrorBuffer(table.padded_numel, BLOCK, "int8", torch.float32, device, table.spans)
     g = torch.randn(numel, device=device).to(dtype)
     return table, err, g
 

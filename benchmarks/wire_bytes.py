@@ -35,7 +35,6 @@ from typing import Dict, List
 import torch
 
 from loco_megatron.layout import BucketLayout
-from loco_megatron.quantization import wire_bytes as encoded_bytes
 
 from .report import Section
 
@@ -160,11 +159,18 @@ def loco_layout(bucket: Dict, dp: int, block_size: int = BLOCK_SIZE) -> BucketLa
 
 def loco_bytes(layout: BucketLayout, bits: int) -> int:
     """Bytes one rank sends to the others for one bucket, exactly as
-    ``compensated_reduce_scatter`` counts them: the encoded padded bucket (codes + fp32 scales)
-    split in ``world`` chunks, all but the own chunk sent."""
-    world = layout.world
-    total = encoded_bytes(world * layout.padded_shard, bits, layout.block_size)
-    return total // world * (world - 1)
+    ``compensated_reduce_scatter`` counts them: each peer gets its wire shard, ``bits * P / 8``
+    bytes of codes and ``4 * K`` of fp32 scales (``P`` wire elements, ``K`` blocks per shard)."""
+    return (layout.world - 1) * layout.wire_bytes_per_peer(bits)
+
+
+def padded_format_bytes(layout: BucketLayout, bits: int) -> int:
+    """What the earlier padded wire format sent for the same bucket (every segment padded to
+    whole blocks: ``P' = max_r sum ceil(n / block) * block``, ``P' / block`` scales per peer),
+    for comparison."""
+    bs = layout.block_size
+    P = max((sum(-(-n // bs) * bs for *_, n in segs) for segs in layout.segments), default=0)
+    return (layout.world - 1) * (P * bits // 8 + 4 * (P // bs))
 
 
 def stock_bytes(layout: BucketLayout, element_size: int) -> int:
@@ -175,6 +181,13 @@ def stock_bytes(layout: BucketLayout, element_size: int) -> int:
 def formula_bytes(numel: int, world: int, bits: int, block_size: int = BLOCK_SIZE) -> float:
     """docs/architecture.md (wire format): ``(N - 1) / N * numel * (b + 32 / block) / 8`` (no padding)."""
     return (world - 1) / world * numel * (bits + 32 / block_size) / 8
+
+
+def formula_wire_bytes(wire_numel: int, blocks: int, world: int, bits: int) -> float:
+    """The same on LoCo's own counts: ``(N - 1) / N * (wire_numel * b / 8 + 4 * blocks)``
+    (``wire_numel``: ``N * padded_shard``, codes with their alignment; ``blocks``: the
+    scales)."""
+    return (world - 1) / world * (wire_numel * bits / 8 + 4 * blocks)
 
 
 def count(buckets: List[Dict], dp: int, block_size: int = BLOCK_SIZE) -> Dict:
@@ -189,11 +202,13 @@ def count(buckets: List[Dict], dp: int, block_size: int = BLOCK_SIZE) -> Dict:
            "loco_padding_fraction": (wire_numel - numel) / numel,
            "loco4": sum(loco_bytes(lay, 4) for lay in layouts),
            "loco8": sum(loco_bytes(lay, 8) for lay in layouts),
+           "loco4_padded_format": sum(padded_format_bytes(lay, 4) for lay in layouts),
            "bf16": sum(stock_bytes(lay, 2) for lay in layouts),
            "fp32": sum(stock_bytes(lay, 4) for lay in layouts)}
     for bits in (4, 8):
         row[f"formula{bits}"] = formula_bytes(numel, dp, bits, block_size)
-        row[f"formula{bits}_padded"] = formula_bytes(wire_numel, dp, bits, block_size)
+        row[f"formula{bits}_padded"] = formula_wire_bytes(
+            wire_numel, sum(lay.nblocks for lay in layouts), dp, bits)
     row["loco4_vs_bf16"] = row["loco4"] / row["bf16"]
     row["loco4_vs_fp32"] = row["loco4"] / row["fp32"]
     row["loco8_vs_bf16"] = row["loco8"] / row["bf16"]
@@ -243,7 +258,7 @@ def run(quick: bool, workdir: Path) -> Section:
         "exact counts as `compensated_reduce_scatter` / stock `reduce_scatter_tensor` send them. "
         "Stock fp32 is Megatron-LM's default with `--bf16` (gradients reduced in fp32); stock bf16 "
         "is `--grad-reduce-in-bf16`.", "",
-        "| DP | buckets | elements (incl. megatron padding) | megatron padding | LoCo extra padding "
+        "| DP | buckets | elements (incl. megatron padding) | megatron padding | LoCo alignment codes "
         "| LoCo-4 GiB | LoCo-8 GiB | stock bf16 GiB | stock fp32 GiB | LoCo-4/bf16 | LoCo-4/fp32 "
         "| LoCo-8/bf16 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -257,8 +272,8 @@ def run(quick: bool, workdir: Path) -> Section:
     lines += ["", f"Formula (docs/architecture.md): bytes = (N-1)/N * numel * (b + 32/{BLOCK_SIZE})/8 "
               f"-> ratio to bf16 = (b + 32/{BLOCK_SIZE})/16 = {(4 + 32 / BLOCK_SIZE) / 16:.5f} "
               f"(4-bit), {(8 + 32 / BLOCK_SIZE) / 16:.5f} (8-bit); to fp32 = half of that.", "",
-              "| DP | LoCo-4 exact | formula(numel) | formula(LoCo padded numel) | exact - formula "
-              "(bytes) | LoCo-8 exact | formula(numel) | formula(padded) |",
+              "| DP | LoCo-4 exact | formula(numel) | formula(LoCo wire numel, blocks) | exact - "
+              "formula (bytes) | LoCo-8 exact | formula(numel) | formula(wire) |",
               "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
@@ -271,9 +286,11 @@ def run(quick: bool, workdir: Path) -> Section:
     worst_f = max(r["loco4_vs_fp32"] for r in rows)
     agree = all(r["exact_is_formula_padded"] for r in rows)
     lines += ["", ("The exact counts equal" if agree else "**The exact counts DIFFER from**")
-              + " the formula evaluated on LoCo's padded element count (`N * padded_shard` per "
-              "bucket), to the byte; the difference to the formula on megatron's numel is LoCo's "
-              "block padding (blocks cut at DP-shard and parameter boundaries)."
+              + " the formula evaluated on LoCo's wire element count (`N * padded_shard` per "
+              "bucket) and its block count (one fp32 scale each), to the byte; the difference to "
+              "the formula on megatron's numel is the extra scales of the blocks cut short at "
+              "DP-shard and parameter boundaries and the codes that align segments to even "
+              "offsets (no block is padded)."
               + (" Megatron's own padding is zero here: every LLaMA-2-7B tensor is a multiple of "
                  "4096 elements, so parameter starts (64) and bucket ends (lcm(DP, 128)) are "
                  "already aligned." if all(r["megatron_padding"] == 0 for r in rows) else ""),
@@ -281,7 +298,11 @@ def run(quick: bool, workdir: Path) -> Section:
               f"Acceptance: LoCo-4 <= {ACCEPT_VS_BF16}x stock bf16: "
               f"**{'met' if ok_b else 'NOT met'}** (worst {worst_b:.5f}); LoCo-4 <= "
               f"{ACCEPT_VS_FP32}x stock fp32: **{'met' if ok_f else 'NOT met'}** "
-              f"(worst {worst_f:.5f})."]
+              f"(worst {worst_f:.5f}).", "",
+              "Against the earlier padded wire format (every segment padded to whole blocks), "
+              "LoCo-4 bytes: " + ", ".join(
+                  f"DP {r['dp']} {r['loco4']:,} vs {r['loco4_padded_format']:,}" for r in rows)
+              + " (short last blocks never send more)."]
     if quick:
         lines += ["", "_--quick: DP 512 skipped._"]
     return Section(name="wire_bytes", title="Wire bytes per step: LoCo vs stock reduce-scatter",

@@ -9,8 +9,8 @@ import dataclasses
 from typing import List, Tuple
 
 from .config import LoCoConfig, LoCoConfigError
+from .config import MAX_BLOCK_SIZE
 from .layout import BucketLayout
-from .quantization import wire_bytes
 
 
 def expected_bytes_per_step(config: LoCoConfig,
@@ -20,8 +20,7 @@ def expected_bytes_per_step(config: LoCoConfig,
     Args:
         buckets: ``(layout, grad element size in bytes)`` per bucket.
     """
-    loco = sum((lay.world - 1) * wire_bytes(lay.padded_shard, config.bits, config.block_size)
-               for lay, _ in buckets)
+    loco = sum((lay.world - 1) * lay.wire_bytes_per_peer(config.bits) for lay, _ in buckets)
     stock = sum((lay.world - 1) * lay.shard * elem for lay, elem in buckets)
     return loco, stock
 
@@ -30,15 +29,14 @@ def param_gather_bytes_per_step(param_bits: int,
                                 buckets: List[Tuple[BucketLayout, int]]) -> Tuple[int, int]:
     """Exact bytes one rank sends per optimizer step in the parameter all-gather with weight
     differences (``--loco-param-bits``; loco_megatron/weight_difference.py): ``(LoCo, stock
-    all-gather)``, i.e. ``(world - 1) * (bits * P + 32 * P / block) / 8`` against
-    ``(world - 1) * shard * element size`` per bucket (``P``: the padded shard).
+    all-gather)``, i.e. ``(world - 1) * (bits * P / 8 + 4 * K)`` against
+    ``(world - 1) * shard * element size`` per bucket (``P``: the wire shard, ``K``: its
+    blocks).
 
     Args:
         buckets: ``(layout, parameter element size in bytes)`` per bucket.
     """
-    loco = sum((lay.world - 1) * (lay.padded_shard * param_bits // 8
-                                  + 4 * (lay.padded_shard // lay.block_size))
-               for lay, _ in buckets)
+    loco = sum((lay.world - 1) * lay.wire_bytes_per_peer(param_bits) for lay, _ in buckets)
     stock = sum((lay.world - 1) * lay.shard * elem for lay, elem in buckets)
     return loco, stock
 
@@ -46,9 +44,9 @@ def param_gather_bytes_per_step(param_bits: int,
 def error_state_bytes(config: LoCoConfig, layouts: List[BucketLayout]) -> Tuple[int, int]:
     """Bytes of one rank's LoCo error state: ``(in memory, per checkpoint on disk)``.
 
-    In memory each bucket keeps its error in the padded wire layout
-    (``world * padded_shard`` elements): int8 storage 1 byte per element + one fp32 scale per
-    ``block_size`` elements, fp32 storage 4 bytes per element. A checkpoint holds that (the exact
+    In memory each bucket keeps its error in the wire layout (``world * padded_shard``
+    elements): int8 storage 1 byte per element + one fp32 scale per block (``world *
+    blocks_per_shard``), fp32 storage 4 bytes per element. A checkpoint holds that (the exact
     form) plus the rank's fp32 shard of the DP-summed error, 4 bytes x ``shard`` (the last ranks'
     shards can be shorter by the bucket's end padding, so this is exact for DP rank 0 and an upper
     bound for the others). Pickle framing of the ``torch`` format is not counted.
@@ -56,7 +54,7 @@ def error_state_bytes(config: LoCoConfig, layouts: List[BucketLayout]) -> Tuple[
     memory = disk = 0
     for lay in layouts:
         n = lay.world * lay.padded_shard
-        memory += n + 4 * (n // lay.block_size) if config.error_dtype == "int8" else 4 * n
+        memory += n + 4 * lay.nblocks if config.error_dtype == "int8" else 4 * n
         disk += 4 * lay.shard if lay.world > 1 else 0
     return memory, memory + disk
 
@@ -72,25 +70,37 @@ def hierarchical_bytes_per_step(config: LoCoConfig, M: int, L: int,
     """
     intra = inter = 0
     for lay, elem in buckets:
-        P = lay.padded_shard
+        P, K = lay.padded_shard, lay.blocks_per_shard
         if L == 1:
-            inter += (M - 1) * wire_bytes(P, config.bits, config.block_size)
+            inter += (M - 1) * lay.wire_bytes_per_peer(config.bits)
         elif M == 1 and config.intra_node_bits == 16:
             intra += (L - 1) * lay.shard * elem
         else:
             intra += (L - 1) * (M * P * elem if config.intra_node_bits == 16 else
-                                wire_bytes(M * P, 8, config.block_size))
-            inter += (M - 1) * wire_bytes(P, config.bits, config.block_size)
+                                M * lay.wire_bytes_per_peer(8))
+            inter += (M - 1) * lay.wire_bytes_per_peer(config.bits)
     return intra, inter
 
 
-def stage_error_elements(config: LoCoConfig, M: int, L: int, lay: BucketLayout) -> int:
+def stage_error_elements(config: LoCoConfig, M: int, L: int, lay: BucketLayout,
+                         unit: int = None) -> int:
     """Error-buffer elements of one bucket in the hierarchical mode (``N * P`` for the 8-bit
-    intra stage, ``M * P`` for the inter stage; the flat buffer when ``L == 1``)."""
+    intra stage, ``M * P`` for the inter stage; the flat buffer when ``L == 1``); with ``unit``
+    the same count of ``unit`` per shard instead of ``P`` (the blocks: ``unit = K``)."""
+    unit = lay.padded_shard if unit is None else unit
     if L == 1:
-        return lay.world * lay.padded_shard
-    intra = lay.world * lay.padded_shard if config.intra_node_bits == 8 else 0
-    return intra + (M * lay.padded_shard if M > 1 else 0)
+        return lay.world * unit
+    intra = lay.world * unit if config.intra_node_bits == 8 else 0
+    return intra + (M * unit if M > 1 else 0)
+
+
+def stage_error_bytes(config: LoCoConfig, M: int, L: int, lay: BucketLayout) -> int:
+    """Memory of one bucket's error buffers in the hierarchical mode: int8 storage 1 byte per
+    element and 4 per block, fp32 storage 4 bytes per element."""
+    n = stage_error_elements(config, M, L, lay)
+    if config.error_dtype != "int8":
+        return 4 * n
+    return n + 4 * stage_error_elements(config, M, L, lay, lay.blocks_per_shard)
 
 
 def _rebuilt(lay: BucketLayout, block_size: int) -> BucketLayout:
@@ -102,36 +112,35 @@ def _rebuilt(lay: BucketLayout, block_size: int) -> BucketLayout:
 def check_wire_not_above_stock(config: LoCoConfig,
                                buckets: List[Tuple[BucketLayout, int]]) -> None:
     """Refuse a block size at which LoCo would send more bytes than megatron's stock
-    reduce-scatter: blocks are padded at every parameter and DP-shard boundary, so on small
-    models (or shards) a large ``--loco-block-size`` sends mostly padding.
+    reduce-scatter. Blocks are not padded (loco_megatron/layout.py), but every block sends a
+    4-byte scale, so very small blocks (or tiny parameters, each at least one block) can cost
+    more than the codes save.
 
     Args:
         buckets: ``(layout, grad element size in bytes)`` of every compressed bucket of a
             buffer (or a model chunk), as :func:`expected_bytes_per_step` takes them.
 
     Raises:
-        LoCoConfigError: naming ``--loco-block-size``, the bytes, and the largest power-of-two
-            block size (down to 16) at which LoCo sends no more than stock, or, if none does,
-            that this model is too small to gain from compression.
+        LoCoConfigError: naming ``--loco-block-size``, the bytes, and the smallest power-of-two
+            block size above it at which LoCo sends no more than stock, or, if none does, that
+            this model is too small to gain from compression.
     """
     loco, stock = expected_bytes_per_step(config, buckets)
     if not buckets or loco <= stock:
         return
     fits = None
-    size = 1 << (config.block_size.bit_length() - 1)
-    while size >= 16:
-        if size < config.block_size:
-            trial = [(_rebuilt(lay, size), elem) for lay, elem in buckets]
-            b, s = expected_bytes_per_step(dataclasses.replace(config, block_size=size), trial)
-            if b <= s:
-                fits = size
-                break
-        size //= 2
-    advice = (f"use --loco-block-size {fits} or smaller" if fits else
-              "no block size from 16 up sends less here: this model's shards are too small to "
+    size = 1 << config.block_size.bit_length()
+    while size <= MAX_BLOCK_SIZE:
+        trial = [(_rebuilt(lay, size), elem) for lay, elem in buckets]
+        b, s = expected_bytes_per_step(dataclasses.replace(config, block_size=size), trial)
+        if b <= s:
+            fits = size
+            break
+        size *= 2
+    advice = (f"use --loco-block-size {fits} or larger" if fits else
+              "no larger block size sends less here: this model's parameters are too small to "
               "gain from compression; run with --loco-bits 16")
     raise LoCoConfigError(
         f"--loco-block-size {config.block_size}: LoCo would send {loco} bytes/step per rank vs "
-        f"{stock} for megatron's stock reduce-scatter ({loco / stock:.3f}x): blocks are padded "
-        f"at every parameter and data-parallel shard boundary, and at this block size the "
-        f"padding outweighs the compression; {advice}.")
+        f"{stock} for megatron's stock reduce-scatter ({loco / stock:.3f}x): every block sends a "
+        f"4-byte scale, and at this block size the scales outweigh the compression; {advice}.")

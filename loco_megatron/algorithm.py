@@ -25,7 +25,7 @@ Where the other steps live: ``Q_b`` / ``deQ`` and 4-bit packing in
 :mod:`loco_megatron.quantization`; the error buffer's int8 storage in
 :mod:`loco_megatron.error_buffer`; the per-bucket error buffers, step counters and resets in
 :class:`loco_megatron.compensator.Compensator`; the block layout (blocks cut at DP-shard and
-parameter boundaries, padded) in :mod:`loco_megatron.layout`; step 4's collectives in
+parameter boundaries, the last block of a segment short) in :mod:`loco_megatron.layout`; step 4's collectives in
 :mod:`loco_megatron.collectives` (flat) and :mod:`loco_megatron.hierarchical` (two-stage); the
 megatron-core seam in :mod:`loco_megatron.megatron.plugin`. Non-finite blocks: the block is still
 sent (megatron's NaN check and fp16 loss scaler must see it) but keeps its previous error.
@@ -33,17 +33,21 @@ sent (megatron's NaN check and fp16 loss scaler must see it) but keeps its previ
 
 import torch
 
-from .quantization import dequantize_blockwise, decode, pack_codes, quantize_blockwise
+from .quantization import dequantize_spans, pack_codes, quantize_spans, unpack_codes
 
 
 def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symmetric"):
     """Steps 0-3 for one bucket: reset, compensate, quantize, error update.
 
+    The work happens on the wire layout (``table.padded_numel`` elements; a block's scale
+    covers ``table.spans`` elements: its own, then the zero alignment or trailing codes, which
+    never change its absmax), as the fused kernels do block by block.
+
     Args:
-        g: the bucket's local gradient, flat ``[table.layout.numel]`` (fp32/bf16/fp16/fp64).
+        g: the bucket's local gradient, flat ``[table.numel]`` (fp32/bf16/fp16/fp64).
         table: its :class:`~loco_megatron.kernels.block_table.BlockTable` (wire layout).
-        err: its :class:`~loco_megatron.error_buffer.ErrorBuffer` (``[padded numel]``), updated
-            in place.
+        err: its :class:`~loco_megatron.error_buffer.ErrorBuffer` (``[table.padded_numel]``),
+            updated in place.
         bits: 4 or 8. beta: the moving-average factor. reset: step 0 applies this step.
         want_err_sq: also return the squared norm of this step's compression error (telemetry).
         grid: the quantizer's grid for the sent codes, ``"symmetric"`` or ``"full-range"``
@@ -51,22 +55,23 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
             is always symmetric (it is not sent).
 
     Returns:
-        ``(payload uint8 [n * bits / 8], scales fp32 [n / block], non-finite blocks int32 [],
-        error squared norm fp64 [] or None, None)`` for the ``n`` padded elements; the same as
+        ``(payload uint8 [n * bits / 8], scales fp32 [nblocks], non-finite blocks int32 [],
+        error squared norm fp64 [] or None, None)`` for the ``n`` wire elements; the same as
         :func:`loco_megatron.kernels.compress_bucket`.
     """
-    block = table.block_size
     work = torch.float64 if g.dtype == torch.float64 else torch.float32
+    spans = table.spans.to(g.device)
+    n = table.padded_numel
     if reset:  # step 0: reset
         err.zero_()
     e_prev = err.get()
-    h = table.layout.to_padded(g.view(-1), work) + e_prev  # step 1: compensate
-    codes, scales = quantize_blockwise(h, bits, block, grid)  # step 2: quantize
+    h = table.layout.to_wire(g.reshape(-1), work) + e_prev  # step 1: compensate
+    codes, scales = quantize_spans(h, spans, bits, grid)  # step 2: quantize
     scales = scales.float()  # as sent: the error is measured against what peers decode
-    err_now = h - dequantize_blockwise(codes, scales, block, dtype=work)  # step 3: error update
+    err_now = h - dequantize_spans(codes, scales, spans, work)  # step 3: error update
     new = beta * e_prev + (1.0 - beta) * err_now if beta else err_now
     bad = ~torch.isfinite(scales)  # [nblocks]: a NaN/inf in h (its scale is NaN/inf)
-    bad_elem = bad.repeat_interleave(block)
+    bad_elem = bad.repeat_interleave(spans, output_size=n)
     err_sq = None
     if want_err_sq:  # fp64 sum of the finite blocks: the reference's telemetry is exact
         err64 = err_now.masked_fill_(bad_elem, 0.0).double()
@@ -76,7 +81,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
     # a non-finite block keeps its previous error bit for bit: the storage is written only
     # where the block was finite (read before it is overwritten, no copy of the buffer)
     if err.storage == "int8":
-        e_codes, e_scales = quantize_blockwise(new, 8, block)
+        e_codes, e_scales = quantize_spans(new, spans, 8)
         err.codes.copy_(torch.where(bad_elem, err.codes, e_codes))
         err.scales.copy_(torch.where(bad, err.scales, e_scales))
     else:
@@ -87,11 +92,16 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):
     """Step 4 on the receiving side: decode the ``table.world`` chunks this rank received
     (its shard of every rank's codes, concatenated) and sum them into ``out`` (this rank's
-    gradient shard, ``[layout.shard]``), divided by the DP size when ``average``. Same
+    gradient shard, ``[table.shard]``), divided by the DP size when ``average``. Same
     arguments as :func:`loco_megatron.kernels.decompress_shard`."""
     work = torch.float64 if out.dtype == torch.float64 else torch.float32
-    chunks = decode(payload, scales, bits, table.block_size, dtype=work)
-    reduced = chunks.view(table.world, table.layout.padded_shard).sum(dim=0)
+    world, nbs, P = table.world, table.blocks_per_shard, table.padded_shard
+    spans = table.spans[rank * nbs:(rank + 1) * nbs].repeat(world)  # each sender's chunk
+    chunks = dequantize_spans(unpack_codes(payload, bits), scales, spans, work)
+    rows = chunks.view(world, P)
+    reduced = rows[0].clone()
+    for r in range(1, world):  # in rank order, as the fused kernels sum
+        reduced += rows[r]
     if average:  # by a tensor: CUDA divides by a Python number through its reciprocal
-        reduced /= torch.full((), table.world, dtype=work, device=reduced.device)
-    table.layout.from_padded_shard(reduced, rank, out)
+        reduced /= torch.full((), world, dtype=work, device=reduced.device)
+    table.layout.from_wire_chunk(reduced, rank, out.view(-1))

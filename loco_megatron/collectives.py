@@ -3,8 +3,9 @@
 docs/architecture.md (data flow of one bucket). NCCL and gloo cannot sum 4-bit codes, so
 ``reduce_scatter_tensor`` becomes:
 
-1. quantize the compensated bucket in its padded :class:`~loco_megatron.layout.BucketLayout`
-   (blocks never straddle DP shards or parameters; each shard is a whole number of blocks);
+1. quantize the compensated bucket in its wire :class:`~loco_megatron.layout.BucketLayout`
+   (blocks never straddle DP shards or parameters, a segment's last block is short; every
+   rank's chunk holds the same number of codes and scales);
 2. ``all_to_all_single`` of the packed codes and of the fp32 scales: rank j receives shard j
    from every rank;
 3. dequantize the received chunks, sum them in fp32 and write the result into ``output`` in its

@@ -85,19 +85,22 @@ class Compensator:
         """Set ``key``'s counter (a checkpoint restore: resets stay on the same steps)."""
         self.stats.steps[key] = int(step)
 
-    def error_buffer(self, key: Hashable, numel: int, device) -> ErrorBuffer:
+    def error_buffer(self, key: Hashable, numel: int, device, spans=None) -> ErrorBuffer:
         """Bucket ``key``'s :class:`ErrorBuffer` of ``numel`` elements (fp32 work dtype),
-        created as zeros if it does not exist (the checkpoint's view of a never-used bucket).
+        created as zeros if it does not exist (the checkpoint's view of a never-used bucket);
+        ``spans``: its blocks' wire elements (:class:`ErrorBuffer`).
 
         Raises:
             RuntimeError: the buffer exists with another number of elements.
         """
-        return self._buffer(key, numel, torch.float32, device)
+        return self._buffer(key, numel, torch.float32, device, spans)
 
-    def _buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device) -> ErrorBuffer:
+    def _buffer(self, key: Hashable, numel: int, dtype: torch.dtype, device,
+                spans=None) -> ErrorBuffer:
         buf = self.errors.get(key)
         if buf is None:
-            buf = ErrorBuffer(numel, self.config.block_size, self.config.error_dtype, dtype, device)
+            buf = ErrorBuffer(numel, self.config.block_size, self.config.error_dtype, dtype, device,
+                              spans)
             self.errors[key] = buf
         elif buf.numel == numel and buf.device != torch.device(device):
             buf.to_(device)  # restored from a checkpoint on another device
@@ -124,7 +127,9 @@ class Compensator:
                 With ``layout``: the bucket ``[layout.numel]``, read through the layout's block
                 table (blocks cut at shard and parameter boundaries); without: already in wire
                 order, ``[n]``, ``n`` a multiple of ``block_size``. Not modified.
-            layout: the bucket's :class:`~loco_megatron.layout.BucketLayout`, or None.
+            layout: the bucket's :class:`~loco_megatron.layout.BucketLayout`, a
+                :class:`~loco_megatron.layout.ChunkView` of its shards (the hierarchical
+                stages), or None.
             bits: code width, 4 or 8 (default ``config.bits``; the hierarchical mode's
                 intra-node stage uses 8).
             step: optimizer step that schedules the reset; default: ``key``'s own step counter,
@@ -132,8 +137,8 @@ class Compensator:
                 bucket's counter), no counter is advanced.
 
         Returns:
-            ``(payload, scales)`` as :func:`loco_megatron.quantization.encode` gives them for the
-            ``n`` padded elements: uint8 ``[n * bits / 8]``, fp32 ``[n / block_size]``.
+            ``(payload, scales)`` for the ``n`` wire elements and ``K`` blocks of the layout:
+            uint8 ``[n * bits / 8]``, fp32 ``[K]``.
 
         A non-finite block of the compensated gradient is still encoded (the reduced result is
         then non-finite there, as with stock communication, so megatron's NaN check and fp16
@@ -150,7 +155,7 @@ class Compensator:
         impl = kernels.select(cfg.kernels, g)
         table = kernels.block_table(layout, g.device if impl != "torch" else "cpu")
         work = torch.float64 if g.dtype == torch.float64 else torch.float32
-        buf = self._buffer(key, table.padded_numel, work, g.device)
+        buf = self._buffer(key, table.padded_numel, work, g.device, table.spans)
         own_counter = step is None
         if own_counter:
             step = self.step_of(key)
@@ -167,7 +172,7 @@ class Compensator:
             self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,
                                 nonfinite)
         if self.probe is not None:  # the convergence study's instrument (drift_probe.py)
-            self.probe.observe(key, g, layout, payload, scales, bits or cfg.bits, cfg.block_size)
+            self.probe.observe(key, g, table, payload, scales, bits or cfg.bits)
         if own_counter:
             self.set_step(key, step + 1)
         self.stats.calls += 1
@@ -220,8 +225,9 @@ class Compensator:
     # loco_megatron/megatron/checkpoint/state.py, ``OptimizerLoCo.state_dict``) ----
 
     def restore_error(self, key: Hashable, entry: Dict[str, torch.Tensor], numel: int, device,
-                      where: str) -> None:
-        """Set bucket ``key``'s error buffer (``numel`` elements) from a saved ``entry``.
+                      where: str, spans: Optional[torch.Tensor] = None) -> None:
+        """Set bucket ``key``'s error buffer (``numel`` elements, blocks of ``spans`` wire
+        elements, :class:`ErrorBuffer`) from a saved ``entry``.
 
         ``entry`` holds the fields of either storage (:data:`STORAGE_FIELDS`); saved with the
         current storage it is copied bit for bit, otherwise it is decoded and stored again.
@@ -229,21 +235,26 @@ class Compensator:
         Raises:
             ValueError: missing field, wrong dtype or element count; the message names ``where``.
         """
-        storage = validate_entry(entry, numel, self.config.block_size, where)
+        if spans is None:
+            spans = torch.full((numel // self.config.block_size,), self.config.block_size,
+                               dtype=torch.int64)
+        storage = validate_entry(entry, numel, spans.numel(), where)
         dtype = entry["values"].dtype if storage == "fp32" else torch.float32
         work = torch.float64 if dtype == torch.float64 else torch.float32
         self.errors.pop(key, None)
-        buf = self._buffer(key, numel, work, device)
+        buf = self._buffer(key, numel, work, device, spans)
         if storage == self.config.error_dtype:
             for name in STORAGE_FIELDS[storage]:
                 getattr(buf, name).copy_(entry[name])
         else:
-            buf.set(decode_entry(entry, self.config.block_size, work).to(device))
+            buf.set(decode_entry(entry, spans, work).to(device))
 
-    def set_error(self, key: Hashable, values: torch.Tensor) -> None:
-        """Set bucket ``key``'s error to ``values`` (``[numel]``, fp32; int8 storage rounds)."""
+    def set_error(self, key: Hashable, values: torch.Tensor,
+                  spans: Optional[torch.Tensor] = None) -> None:
+        """Set bucket ``key``'s error to ``values`` (``[numel]``, fp32; int8 storage rounds;
+        ``spans``: its blocks, :class:`ErrorBuffer`)."""
         self.errors.pop(key, None)
-        self._buffer(key, values.numel(), torch.float32, values.device).set(values)
+        self._buffer(key, values.numel(), torch.float32, values.device, spans).set(values)
 
     def reset_error(self, key: Hashable) -> None:
         """Forget bucket ``key``'s error (it restarts from zero at its next compress)."""

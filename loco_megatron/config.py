@@ -25,8 +25,9 @@ GRIDS = ("symmetric", "full-range")
 KERNEL_CHOICES = ("auto", "torch", "cpu", "triton")
 #: values of ``--loco-intra-node-bits``: 8 (compensated) or 16 (the grad buffer's own precision)
 INTRA_NODE_BITS = (8, 16)
-#: Largest ``block_size``: blocks are padded at every parameter and shard boundary, so larger
-#: blocks only add padding (and a 10^12 block would allocate terabytes).
+#: Largest ``block_size``: the fused kernels work on one block at a time (a C workspace of
+#: ``3 * block`` floats, a Triton tile of ``block / 2`` lanes), and past a parameter's size a
+#: larger block changes nothing (a segment's last block is short).
 MAX_BLOCK_SIZE = 65536
 
 
@@ -196,7 +197,7 @@ class LoCoConfig:
         if not 2 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size % 2:
             raise LoCoConfigError(
                 f"{flag('block_size')} {self.block_size} must be an even integer in "
-                f"[2, {MAX_BLOCK_SIZE}] (4-bit codes are packed two per byte; blocks are padded "
+                f"[2, {MAX_BLOCK_SIZE}] (4-bit codes are packed two per byte; blocks are cut "
                 f"at every parameter and shard boundary); 256 is the default."
             )
         if self.grid not in GRIDS:

@@ -33,8 +33,8 @@ from typing import Dict, Hashable, List, Optional
 
 import torch
 
-from .layout import BucketLayout
-from .quantization import decode
+from .kernels.block_table import BlockTable
+from .quantization import dequantize_spans, unpack_codes
 
 #: the environment variable that enables the probe (a folder for the per-rank JSON files)
 ENV = "LOCO_DRIFT_PROBE"
@@ -65,23 +65,24 @@ class DriftProbe:
         folder = os.environ.get(ENV)
         return cls(Path(folder), rank) if folder else None
 
-    def observe(self, key: Hashable, g: torch.Tensor, layout: BucketLayout,
-                payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> None:
+    def observe(self, key: Hashable, g: torch.Tensor, table: BlockTable,
+                payload: torch.Tensor, scales: torch.Tensor, bits: int) -> None:
         """Add one compression of bucket ``key``.
 
         Args:
-            g: the bucket's local gradient as compressed, ``[layout.numel]`` (any float dtype).
-            layout: its wire layout (``layout.world * layout.padded_shard`` elements).
-            payload, scales: what the compressor sent (uint8 ``[n * bits / 8]``, fp32 ``[n /
-                block_size]``).
-            bits: 4 or 8. block_size: elements per block.
+            g: the bucket's local gradient as compressed, ``[table.numel]`` (any float dtype).
+            table: its :class:`~loco_megatron.kernels.block_table.BlockTable` (``n`` wire
+                elements, ``K`` blocks).
+            payload, scales: what the compressor sent (uint8 ``[n * bits / 8]``, fp32 ``[K]``).
+            bits: 4 or 8.
         """
-        deq = decode(payload, scales, bits, block_size, dtype=torch.float64)
-        gw = layout.to_padded(g.reshape(-1), torch.float64)
+        spans = table.spans.to(scales.device)
+        deq = dequantize_spans(unpack_codes(payload, bits), scales, spans, torch.float64)
+        gw = table.layout.to_wire(g.reshape(-1), torch.float64)
         if key not in self._sums:
             self._sums[key] = [torch.zeros_like(deq), torch.zeros_like(gw)]
-            ones = torch.ones(layout.numel, dtype=torch.float64, device=g.device)
-            self._valid[key] = layout.to_padded(ones, torch.float64) != 0
+            ones = torch.ones(table.numel, dtype=torch.float64, device=g.device)
+            self._valid[key] = table.layout.to_wire(ones, torch.float64) != 0
         acc = self._sums[key]
         # a non-finite element (an fp16 overflow step, which megatron then skips) would poison
         # the sums for the rest of the run: it adds nothing

@@ -7,11 +7,11 @@ hierarchical mode); the checkpoint code validates and decodes saved entries with
 :func:`validate_entry` and :func:`decode_entry`.
 """
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
-from .quantization import dequantize_blockwise, quantize_blockwise
+from .quantization import dequantize_spans, quantize_spans
 
 #: tensors that hold an error buffer, per ``--loco-error-dtype``
 STORAGE_FIELDS = {"int8": ("codes", "scales"), "fp32": ("values",)}
@@ -20,20 +20,40 @@ STORAGE_FIELDS = {"int8": ("codes", "scales"), "fp32": ("values",)}
 class ErrorBuffer:
     """One bucket's compression error ``e``, stored as int8 + fp32 scale per block, or exact.
 
+    The buffer lies in the bucket's wire layout (loco_megatron/layout.py): element ``i`` is the
+    error of the code at wire offset ``i``, and the int8 storage keeps one scale per wire block.
+    Blocks may be short, so ``spans`` says how many elements each scale covers.
+
     Args:
-        numel: elements (the bucket's padded, shard-aligned length; a multiple of block_size).
-        block_size: elements per int8 storage block.
-        storage: ``"int8"`` (~1 byte/element + 4 bytes/block) or ``"fp32"`` (exact; fp64 when
+        numel: elements (the bucket's wire length, ``world * padded_shard``).
+        block_size: elements per full block.
+        storage: ``"int8"`` (1 byte/element + 4 bytes/block) or ``"fp32"`` (exact; fp64 when
             ``dtype`` is fp64, so float64 identities can be tested).
         dtype: working dtype of the values returned by :meth:`get` (fp32 or fp64).
         device: where the buffer lives (the gradient buffer's device).
+        spans: int64 ``[nblocks]``, the wire elements of each block in order (summing to
+            ``numel``; :attr:`~loco_megatron.kernels.block_table.BlockTable.spans`); default
+            ``numel / block_size`` blocks of ``block_size``.
+
+    Raises:
+        ValueError: ``spans`` that do not sum to ``numel``, or no ``spans`` and ``numel`` not a
+            multiple of ``block_size``.
     """
 
-    def __init__(self, numel: int, block_size: int, storage: str, dtype: torch.dtype, device):
+    def __init__(self, numel: int, block_size: int, storage: str, dtype: torch.dtype, device,
+                 spans: Optional[torch.Tensor] = None):
         self.numel, self.block_size, self.storage, self.dtype = numel, block_size, storage, dtype
+        if spans is None:
+            if numel % block_size:
+                raise ValueError(f"an error buffer of {numel} elements needs its block spans "
+                                 f"(not a multiple of block {block_size})")
+            spans = torch.full((numel // block_size,), block_size, dtype=torch.int64)
+        elif int(spans.sum()) != numel:
+            raise ValueError(f"block spans sum to {int(spans.sum())}, not {numel} elements")
+        self.spans = spans.to(device=device, dtype=torch.int64)
         if storage == "int8":
             self.codes = torch.zeros(numel, dtype=torch.int8, device=device)
-            self.scales = torch.zeros(numel // block_size, dtype=torch.float32, device=device)
+            self.scales = torch.zeros(spans.numel(), dtype=torch.float32, device=device)
         else:
             self.values = torch.zeros(numel, dtype=dtype, device=device)
 
@@ -50,17 +70,23 @@ class ErrorBuffer:
         """Move the stored error to ``device`` in place."""
         for name, t in self.tensors().items():
             setattr(self, name, t.to(device))
+        self.spans = self.spans.to(device)
+
+    @property
+    def nblocks(self) -> int:
+        """Blocks (int8 scales) of the buffer."""
+        return self.spans.numel()
 
     def get(self) -> torch.Tensor:
         """The stored error as a new ``[numel]`` tensor in the working dtype."""
         if self.storage == "int8":
-            return dequantize_blockwise(self.codes, self.scales, self.block_size, dtype=self.dtype)
+            return dequantize_spans(self.codes, self.scales, self.spans, self.dtype)
         return self.values.clone()
 
     def set(self, e: torch.Tensor) -> None:
         """Store ``e`` (``[numel]``); int8 storage rounds to within scale/2 per element."""
         if self.storage == "int8":
-            codes, scales = quantize_blockwise(e, 8, self.block_size)
+            codes, scales = quantize_spans(e.float(), self.spans, 8)
             self.codes.copy_(codes)
             self.scales.copy_(scales)
         else:
@@ -83,9 +109,10 @@ class ErrorBuffer:
         fp32 (fp64 for fp64 storage), within fp32 rounding; no host sync. int8 storage computes
         ``||(||codes_b|| * scale_b)_b||^2`` from a transient fp32 copy of the codes."""
         if self.storage == "int8":
-            codes = self.codes.view(-1, self.block_size).float()
-            per_block = torch.linalg.vector_norm(codes, dim=1)
-            return torch.linalg.vector_norm(per_block * self.scales).square()
+            codes = self.codes.float()
+            per_block = torch.segment_reduce(codes * codes, "sum", lengths=self.spans,
+                                             unsafe=True)
+            return torch.dot(per_block, self.scales * self.scales)
         return torch.dot(self.values, self.values)
 
     def nbytes(self) -> int:
@@ -93,11 +120,11 @@ class ErrorBuffer:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-def validate_entry(entry, numel: int, block_size: int, where: str) -> str:
+def validate_entry(entry, numel: int, nblocks: int, where: str) -> str:
     """Check a saved error-buffer entry and return its storage (``"int8"`` or ``"fp32"``).
 
     Args:
-        entry: ``{"codes": int8 [numel], "scales": fp32 [numel / block_size]}`` or
+        entry: ``{"codes": int8 [numel], "scales": fp32 [nblocks]}`` or
             ``{"values": float [numel]}`` (extra keys such as ``numel`` are ignored).
         where: names the entry in error messages (checkpoint file and key).
 
@@ -112,7 +139,7 @@ def validate_entry(entry, numel: int, block_size: int, where: str) -> str:
     if storage is None:
         raise ValueError(f"LoCo checkpoint {where}: expected fields codes, scales (int8 storage) "
                          f"or values (fp32 storage); got {sorted(entry)}")
-    expected = {"codes": (torch.int8, numel), "scales": (torch.float32, numel // block_size),
+    expected = {"codes": (torch.int8, numel), "scales": (torch.float32, nblocks),
                 "values": (None, numel)}
     for name in STORAGE_FIELDS[storage]:
         dtype, n = expected[name]
@@ -127,8 +154,9 @@ def validate_entry(entry, numel: int, block_size: int, where: str) -> str:
     return storage
 
 
-def decode_entry(entry, block_size: int, dtype=torch.float32) -> torch.Tensor:
-    """The error values ``[numel]`` of a validated entry, in ``dtype``."""
+def decode_entry(entry, spans: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """The error values ``[numel]`` of a validated entry, in ``dtype`` (``spans``: its blocks'
+    elements, as :class:`ErrorBuffer`)."""
     if "codes" in entry:
-        return dequantize_blockwise(entry["codes"], entry["scales"], block_size, dtype=dtype)
+        return dequantize_spans(entry["codes"], entry["scales"], spans, dtype)
     return entry["values"].to(dtype)

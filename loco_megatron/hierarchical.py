@@ -30,7 +30,6 @@ the intra-node stage runs: megatron's stock reduce-scatter with ``--loco-intra-n
 flat compensated 8-bit with 8.
 """
 
-from functools import lru_cache
 from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,26 +37,35 @@ import torch.distributed as dist
 
 from . import kernels
 from .collectives import (TIMER_NAMES, WireStats, checked_layout, compensated_reduce_scatter,
-                          launch, shard_only_layout, step_timer)
+                          launch, step_timer)
 from .compensator import Compensator
-from .layout import BucketLayout
+from .layout import BucketLayout, ChunkView
 from .node_topology import NodeTopology, group_topology, local_world_size
 
 __all__ = ["INTRA", "INTER", "NodeTopology", "group_topology", "local_world_size",
-           "HierarchicalWork", "forget_pending_inter_stages", "hierarchical_reduce_scatter"]
+           "HierarchicalWork", "forget_pending_inter_stages", "hierarchical_reduce_scatter",
+           "inter_view"]
 
 #: error-buffer key suffixes of the two stages: ``(bucket key, STAGE)``
 INTRA, INTER = "intra", "inter"
 
 
-@lru_cache(maxsize=256)
-def _shard_layout(layout: BucketLayout, rank: int, copies: int) -> BucketLayout:
-    """``copies`` chunks of ``P`` wire elements, each laid out like ``rank``'s padded shard of
-    ``layout``: decompressing chunk 0 writes ``rank``'s shard through its segment table."""
-    shard, ps = layout.shard, layout.padded_shard
-    segs = tuple(tuple((s - rank * shard + k * shard, d - rank * ps + k * ps, n)
-                       for s, d, n in layout.segments[rank]) for k in range(copies))
-    return BucketLayout(copies * shard, copies, layout.block_size, ps, segs)
+def _shard_layout(layout: BucketLayout, rank: int, copies: int) -> ChunkView:
+    """``copies`` chunks of ``P`` wire elements, each laid out like ``rank``'s wire shard of
+    ``layout``: decompressing chunk 0 writes ``rank``'s shard through its blocks."""
+    return ChunkView(layout, ((rank,),) * copies)
+
+
+def _intra_view(layout: BucketLayout, column: Tuple[int, ...], peers: int) -> ChunkView:
+    """What a rank receives in the 8-bit intra-node stage: ``peers`` chunks, each the wire
+    shards of ``column`` (the ranks with its local index, one per node), in wire order."""
+    return ChunkView(layout, (tuple(column),) * peers, wire_order=True)
+
+
+def inter_view(layout: BucketLayout, column: Tuple[int, ...]) -> ChunkView:
+    """The inter-node stage's partial sums ``[M * P]``, in wire order: row ``k`` is the wire
+    shard of ``column[k]`` and goes to that rank (its error buffer's layout too)."""
+    return ChunkView(layout, tuple((c,) for c in column), wire_order=True)
 
 
 def _splits(peers: Sequence[int], world: int, size: int):
@@ -212,7 +220,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     if async_op:  # earlier buckets' inter-node stages go out before this bucket's intra stage
         _issue_pending(group_key)
     average, got = op == dist.ReduceOp.AVG, []
-    rank, P, bs = dist.get_rank(group), layout.padded_shard, cfg.block_size
+    rank, P, K = dist.get_rank(group), layout.padded_shard, layout.blocks_per_shard
     peers, column = topo.nodes[topo.node_of(rank)], topo.column(topo.local_of(rank))
     order = topo.stage1_order(rank)
     compress_timer, comm_timer, decompress_timer = (step_timer(timers, t) for t in TIMER_NAMES)
@@ -226,7 +234,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         payload, scales = compensator.compress((key, INTRA), input.view(-1), layout, bits=8,
                                                step=step)
         send = [_reorder(payload, world, order), _reorder(scales, world, order)]
-        units = [M * P, M * P // bs]  # 8-bit codes: one byte per element
+        units = [M * P, M * K]  # 8-bit codes: one byte per element; K scales per shard
     compress_timer.stop()
     recv = [torch.empty(L * u, dtype=t.dtype, device=t.device) for t, u in zip(send, units)]
     comm_timer.start()
@@ -255,7 +263,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
                 partial += rows[k]
         else:
             partial = torch.empty(M * P, dtype=torch.float32, device=output.device)
-            table = kernels.block_table(shard_only_layout(L * M * P, L, bs), table_device)
+            table = kernels.block_table(_intra_view(layout, column, L), table_device)
             kernels.decompress_shard(impl, recv[0], recv[1], table, 0, bits=8, average=False,
                                      out=partial)
         decompress_timer.stop()
@@ -263,9 +271,10 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             _write(partial, layout, rank, output, world if average else 1)
             return []
         compress_timer.start()
-        payload, scales = compensator.compress((key, INTER), partial, None, step=step)
+        payload, scales = compensator.compress((key, INTER), partial,
+                                               inter_view(layout, column), step=step)
         compress_timer.stop()
-        inter = [(payload, P * cfg.bits // 8), (scales, P // bs)]
+        inter = [(payload, P * cfg.bits // 8), (scales, K)]
         got.extend(torch.empty(M * u, dtype=t.dtype, device=t.device) for t, u in inter)
         got.extend(t for t, _ in inter)  # the send buffers live until final() (async)
         comm_timer.start()

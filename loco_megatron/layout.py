@@ -9,33 +9,54 @@ quantizes blockwise, and two rules keep that exact and consistent:
   with a TP-sharded neighbour (different on every TP rank), the replicated parameter would be
   quantized differently on each TP rank, and its copies would drift apart.
 
-So the bucket is cut into segments at shard and parameter boundaries, each segment is padded
-with zeros to a whole number of blocks, and each shard's padded length is rounded up to the
-largest one so that the all-to-all splits are equal. Parameter boundaries come from
-the bucket-local ``(start, end)`` of each parameter (``compat.bucket_param_ranges``).
+So the bucket is cut into segments at shard and parameter boundaries and each segment into
+blocks of ``block_size`` elements, its **last block short** (the padding-free wire format:
+no zeros are sent to fill blocks). On the wire the codes of a shard's segments follow each other
+contiguously, each segment starting at an even element offset (:data:`ALIGN`: two 4-bit codes
+share a byte, so a block never shares a byte with its neighbour and the fused kernels never
+write the same byte from two blocks); an odd-length segment is followed by one zero code. Each
+shard's wire length is rounded up to the largest one, and its block count likewise (zero-length
+blocks with scale 0 at the end), so the all-to-all splits are equal. Per rank and bucket the wire
+then holds ``bits * P / 8`` bytes of codes and ``4 * K`` bytes of scales per peer
+(``P = padded_shard``, ``K = blocks_per_shard``): about ``bits * n / 8 + 4 * blocks`` for the
+bucket, whatever the block size. Parameter boundaries come from the bucket-local
+``(start, end)`` of each parameter (``compat.bucket_param_ranges``).
+
+:class:`ChunkView` describes chunks made of shards of a layout (the hierarchical mode's stages
+send several shards to one peer); the fused kernels read any of them through a
+:class:`~loco_megatron.kernels.block_table.BlockTable`.
 """
 
 from dataclasses import dataclass
-from typing import Iterable, Tuple
+from functools import lru_cache
+from typing import Iterable, List, Tuple
 
 import torch
 
-from .quantization import padded_numel
+Segment = Tuple[int, int, int]  # (source offset in bucket, offset in wire layout, length)
+Block = Tuple[int, int, int]  # (source offset, wire offset, valid elements 0..block_size)
 
-Segment = Tuple[int, int, int]  # (source offset in bucket, offset in padded layout, length)
+#: wire offset alignment of every segment (and so of every block), in elements
+ALIGN = 2
+
+
+def aligned(n: int) -> int:
+    """``n`` rounded up to :data:`ALIGN` (the wire elements a segment of ``n`` takes)."""
+    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
 class BucketLayout:
-    """Segment table mapping a bucket ``[numel]`` to its padded wire layout
-    ``[world * padded_shard]``.
+    """Segment table mapping a bucket ``[numel]`` to its wire layout ``[world * padded_shard]``.
 
     Attributes:
         numel: bucket elements (divisible by ``world``).
         world: DP group size.
-        block_size: elements per quantization block.
-        padded_shard: elements per rank in the padded layout (a multiple of ``block_size``).
-        segments: per shard, a tuple of :data:`Segment` (offsets absolute in bucket / layout).
+        block_size: elements per quantization block (a segment's last block may be shorter).
+        padded_shard: wire elements per rank (even; the largest shard's segments, each rounded
+            up to :data:`ALIGN`).
+        segments: per shard, a tuple of :data:`Segment` (offsets absolute in bucket / wire).
+        blocks_per_shard: blocks per rank on the wire (the largest shard's; scales per rank).
     """
 
     numel: int
@@ -43,6 +64,7 @@ class BucketLayout:
     block_size: int
     padded_shard: int
     segments: Tuple[Tuple[Segment, ...], ...]
+    blocks_per_shard: int
 
     @classmethod
     def build(cls, numel: int, world: int, block_size: int,
@@ -61,16 +83,16 @@ class BucketLayout:
         for start, end in zip(cuts[:-1], cuts[1:]):
             if shard:
                 per_shard[start // shard].append((start, end - start))
-        padded_shard = max((sum(padded_numel(n, block_size) for _, n in segs) for segs in per_shard),
-                           default=0)
+        padded_shard = max((sum(aligned(n) for _, n in segs) for segs in per_shard), default=0)
+        nbs = max((sum(-(-n // block_size) for _, n in segs) for segs in per_shard), default=0)
         segments = []
         for r, segs in enumerate(per_shard):
             dst, table = r * padded_shard, []
             for src, n in segs:
                 table.append((src, dst, n))
-                dst += padded_numel(n, block_size)
+                dst += aligned(n)
             segments.append(tuple(table))
-        return cls(numel, world, block_size, padded_shard, tuple(segments))
+        return cls(numel, world, block_size, padded_shard, tuple(segments), nbs)
 
     @property
     def shard(self) -> int:
@@ -78,13 +100,29 @@ class BucketLayout:
         return self.numel // self.world
 
     @property
+    def nblocks(self) -> int:
+        """Blocks of the whole wire layout (``world * blocks_per_shard``: one scale each)."""
+        return self.world * self.blocks_per_shard
+
+    @property
     def is_identity(self) -> bool:
-        """True when the padded layout is the bucket itself (no copy needed)."""
+        """True when the wire layout is the bucket itself (no copy needed)."""
         return self.padded_shard == self.shard and all(
             src == dst for segs in self.segments for src, dst, _ in segs)
 
+    def shard_blocks(self, rank: int) -> Tuple[Block, ...]:
+        """Shard ``rank``'s :data:`Block` s in wire order, offsets relative to the shard (source)
+        and to its wire chunk; ``blocks_per_shard`` of them (zero-length ones at the end)."""
+        return _shard_blocks(self, rank)
+
+    def wire_bytes_per_peer(self, bits: int) -> int:
+        """Bytes one rank sends each peer per bucket: ``bits * P / 8`` of codes, ``4 * K`` of
+        scales."""
+        return self.padded_shard * bits // 8 + 4 * self.blocks_per_shard
+
     def to_padded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Bucket ``[numel]`` -> new padded tensor ``[world * padded_shard]`` in ``dtype``."""
+        """Bucket ``[numel]`` -> new wire-layout tensor ``[world * padded_shard]`` in ``dtype``
+        (zeros where no segment lies)."""
         if self.is_identity:
             return x.to(dtype)
         out = torch.zeros(self.world * self.padded_shard, dtype=dtype, device=x.device)
@@ -94,7 +132,7 @@ class BucketLayout:
         return out
 
     def from_padded_shard(self, padded: torch.Tensor, rank: int, out: torch.Tensor) -> None:
-        """Write rank ``rank``'s padded shard ``[padded_shard]`` into ``out`` ``[shard]``
+        """Write rank ``rank``'s wire shard ``[padded_shard]`` into ``out`` ``[shard]``
         (cast to ``out.dtype``)."""
         if self.is_identity:
             out.copy_(padded)
@@ -104,5 +142,120 @@ class BucketLayout:
             out[src - base_src:src - base_src + n] = padded[dst - base_dst:dst - base_dst + n]
 
     def padding_fraction(self) -> float:
-        """Extra elements on the wire from padding, as a fraction of ``numel``."""
+        """Extra code elements on the wire (alignment, equal shards), as a fraction of
+        ``numel``."""
         return (self.world * self.padded_shard - self.numel) / self.numel if self.numel else 0.0
+
+
+@lru_cache(maxsize=1024)
+def _shard_blocks(layout: BucketLayout, rank: int) -> Tuple[Block, ...]:
+    bs, base_src, base_dst = layout.block_size, rank * layout.shard, rank * layout.padded_shard
+    out: List[Block] = []
+    for src, dst, n in layout.segments[rank]:
+        for k in range(0, n, bs):
+            out.append((src - base_src + k, dst - base_dst + k, min(bs, n - k)))
+    end = sum(aligned(n) for _, _, n in layout.segments[rank])
+    out.extend((layout.shard, end, 0) for _ in range(layout.blocks_per_shard - len(out)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """``world`` chunks, each made of shards of a :class:`BucketLayout` (``chunks[c]``: the
+    base shard indices chunk ``c`` holds, in order; every chunk holds as many). A chunk's wire
+    form is its shards' wire forms one after the other (``len * P`` elements, ``len * K``
+    blocks). Its source is the bucket (``wire_order`` False: shard ``i`` of a chunk reads
+    ``shard`` elements) or data already in wire order (True: ``P`` elements, offsets equal).
+
+    The flat collective's view is every shard once (:meth:`flat`); the hierarchical stages use
+    several shards per chunk (loco_megatron/hierarchical.py).
+    """
+
+    base: BucketLayout
+    chunks: Tuple[Tuple[int, ...], ...]
+    wire_order: bool = False
+
+    @classmethod
+    def flat(cls, layout: BucketLayout) -> "ChunkView":
+        """Chunk ``r`` = shard ``r``, read from the bucket: the layout itself."""
+        return cls(layout, tuple((r,) for r in range(layout.world)))
+
+    @property
+    def world(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def per_chunk(self) -> int:
+        """Base shards per chunk."""
+        return len(self.chunks[0]) if self.chunks else 0
+
+    @property
+    def block_size(self) -> int:
+        return self.base.block_size
+
+    @property
+    def padded_shard(self) -> int:
+        """Wire elements per chunk."""
+        return self.per_chunk * self.base.padded_shard
+
+    @property
+    def blocks_per_shard(self) -> int:
+        """Blocks (scales) per chunk."""
+        return self.per_chunk * self.base.blocks_per_shard
+
+    @property
+    def shard(self) -> int:
+        """Source elements per chunk."""
+        return self.per_chunk * (self.base.padded_shard if self.wire_order else self.base.shard)
+
+    @property
+    def numel(self) -> int:
+        """Source elements of all chunks."""
+        return self.world * self.shard
+
+    def segments(self) -> List[Segment]:
+        """Every segment, chunk after chunk: ``(source offset, wire offset, length)``."""
+        base, out = self.base, []
+        unit = base.padded_shard if self.wire_order else base.shard
+        for c, chunk in enumerate(self.chunks):
+            for i, r in enumerate(chunk):
+                src0, dst0 = c * self.shard + i * unit, (c * self.per_chunk + i) * base.padded_shard
+                for s, d, n in base.segments[r]:
+                    d -= r * base.padded_shard
+                    out.append((src0 + (d if self.wire_order else s - r * base.shard),
+                                dst0 + d, n))
+        return out
+
+    def to_wire(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Source ``[numel]`` -> new wire tensor ``[world * padded_shard]`` in ``dtype`` (zeros
+        where no segment lies)."""
+        if self.chunks == tuple((r,) for r in range(self.base.world)) and not self.wire_order:
+            return self.base.to_padded(x, dtype)
+        out = torch.zeros(self.world * self.padded_shard, dtype=dtype, device=x.device)
+        for src, dst, n in self.segments():
+            out[dst:dst + n] = x[src:src + n]
+        return out
+
+    def from_wire_chunk(self, values: torch.Tensor, rank: int, out: torch.Tensor) -> None:
+        """Chunk ``rank``'s wire values ``[padded_shard]`` into ``out`` ``[shard]`` (cast to
+        ``out.dtype``)."""
+        base, P = self.base, self.base.padded_shard
+        unit = P if self.wire_order else base.shard
+        for i, r in enumerate(self.chunks[rank]):
+            for s, d, n in base.segments[r]:
+                d -= r * P
+                src = i * unit + (d if self.wire_order else s - r * base.shard)
+                out[src:src + n] = values[i * P + d:i * P + d + n]
+
+    def blocks(self) -> List[Block]:
+        """Every block, chunk after chunk: ``(source offset, wire offset, valid elements)``."""
+        base, out = self.base, []
+        unit = base.padded_shard if self.wire_order else base.shard
+        for c, chunk in enumerate(self.chunks):
+            for i, r in enumerate(chunk):
+                src0, dst0 = c * self.shard + i * unit, (c * self.per_chunk + i) * base.padded_shard
+                for s, d, n in base.shard_blocks(r):
+                    if self.wire_order:
+                        s = d if n else base.padded_shard
+                    out.append((src0 + s, dst0 + d, n))
+        return out

@@ -115,6 +115,42 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int, grid: str = 
     return codes.to(torch.int8).view(-1), scales
 
 
+def quantize_spans(x: torch.Tensor, spans: torch.Tensor, bits: int, grid: str = "symmetric"
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_blockwise` with blocks of any length: block ``b`` is the next
+    ``spans[b]`` elements of ``x`` (0 allowed). Same arithmetic per block (absmax, IEEE
+    division by the grid's divisor, the FLT_MAX clamp, round half to even, clamp).
+
+    Args:
+        x: 1-D float tensor ``[n]``; spans: int64 ``[nblocks]`` summing to ``n``.
+
+    Returns:
+        ``(codes int8 [n], scales [nblocks])`` (fp32, fp64 for fp64 input); a NaN/inf in a
+        block gives it a non-finite scale.
+    """
+    _check_bits(bits)
+    _check_grid(grid)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    spans = spans.to(x.device)
+    xw = x.to(work)
+    amax = torch.segment_reduce(xw.abs(), "max", lengths=spans, unsafe=True, initial=0.0)
+    scales = amax / torch.full((), divisor(bits, grid), dtype=work, device=x.device)
+    if work == torch.float32:
+        smax = max_scale(bits, grid)
+        scales = torch.where((scales > smax) & (scales < float("inf")), smax, scales)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(xw / safe.repeat_interleave(spans, output_size=x.numel()))
+    return codes.clamp_(-(qmax(bits) + 1), qmax(bits)).to(torch.int8), scales
+
+
+def dequantize_spans(codes: torch.Tensor, scales: torch.Tensor, spans: torch.Tensor,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_spans`: ``codes * scale`` per element, block ``b``'s scale
+    covering ``spans[b]`` elements; ``[n]`` in ``dtype`` (no host sync: the size is given)."""
+    per = scales.to(dtype).repeat_interleave(spans.to(scales.device), output_size=codes.numel())
+    return codes.to(dtype) * per
+
+
 def dequantize_blockwise(codes: torch.Tensor, scales: torch.Tensor, block_size: int,
                          numel: int = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: ``codes * scale`` per block.
@@ -167,6 +203,12 @@ def encode(x: torch.Tensor, bits: int, block_size: int, grid: str = "symmetric"
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Wire form of unpacked int8 codes: two per byte for 4 bits, reinterpreted as uint8 for 8."""
     return pack_int4(codes) if bits == 4 else codes.view(torch.uint8)
+
+
+def unpack_codes(payload: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: int8 codes, two per byte for 4 bits."""
+    _check_bits(bits)
+    return unpack_int4(payload) if bits == 4 else payload.view(torch.int8)
 
 
 def decode(payload: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int,

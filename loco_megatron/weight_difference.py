@@ -26,8 +26,8 @@ every element within half a step, which ``full-range`` breaks (its clipped absma
 whole step off). Blocks follow the bucket's :class:`~loco_megatron.layout.BucketLayout` (cut
 at shard and parameter
 boundaries, so a tensor-parallel-replicated parameter is quantized alike on every TP rank); each
-rank's chunk on the wire is padded to the largest shard's, so the all-gather is even:
-``bits * padded_shard / 8 + 4 * padded_shard / block`` bytes per rank instead of
+rank's chunk on the wire is rounded up to the largest shard's codes and blocks (a segment's last
+block is short), so the all-gather is even: ``bits * P / 8 + 4 * K`` bytes per rank instead of
 ``shard * element size``.
 
 Encoding and decoding go through :mod:`loco_megatron.kernels` (``--loco-kernels``: torch
@@ -69,11 +69,12 @@ def shard_layouts(layout: BucketLayout) -> Tuple[BucketLayout, ...]:
 def chunk_shape(layout: BucketLayout, bits: int) -> Tuple[int, int]:
     """``(payload bytes, scales)`` one rank contributes to a bucket's all-gather (padded to the
     largest shard, so every rank sends the same)."""
-    return layout.padded_shard * bits // 8, layout.padded_shard // layout.block_size
+    return layout.padded_shard * bits // 8, layout.blocks_per_shard
 
 
 def wire_bytes(layout: BucketLayout, bits: int) -> int:
-    """Bytes one rank sends to each peer per bucket: ``(bits * P + 32 * P / block) / 8``."""
+    """Bytes one rank sends to each peer per bucket: ``bits * P / 8 + 4 * K`` (``P`` wire
+    elements and ``K`` blocks per shard)."""
     payload, scales = chunk_shape(layout, bits)
     return payload + 4 * scales
 
@@ -90,7 +91,7 @@ def encode(impl: str, new: torch.Tensor, held: torch.Tensor, layout: BucketLayou
         layout: the bucket's layout; rank: the owner's index in the DP group; bits: 4 or 8.
 
     Returns:
-        ``(payload uint8 [P * bits / 8], scales fp32 [P / block])`` (:func:`chunk_shape`);
+        ``(payload uint8 [P * bits / 8], scales fp32 [K])`` (:func:`chunk_shape`);
         a NaN/inf in ``new`` gives its block a non-finite scale (decoded NaN, as stock would
         copy it).
     """
@@ -103,7 +104,8 @@ def encode_difference(impl: str, diff: torch.Tensor, layout: BucketLayout, rank:
     read only): ``Q_b(diff)`` padded for the wire."""
     lay = shard_layouts(layout)[rank]
     table = kernels.block_table(lay, diff.device if impl != "torch" else "cpu")
-    scratch = ErrorBuffer(lay.padded_shard, lay.block_size, "fp32", torch.float32, diff.device)
+    scratch = ErrorBuffer(lay.padded_shard, lay.block_size, "fp32", torch.float32, diff.device,
+                          table.spans)
     payload, scales, *_ = kernels.compress_bucket(impl, diff, table, scratch, bits=bits, beta=0.0,
                                                   reset=True, want_err_sq=False,
                                                   grid="symmetric")  # whatever --loco-grid says
@@ -129,7 +131,7 @@ def apply(impl: str, target: torch.Tensor, payload: torch.Tensor, scales: torch.
     table = kernels.block_table(lay, target.device if impl != "torch" else "cpu")
     delta = torch.empty(lay.shard, dtype=torch.float32, device=target.device)
     used = lay.padded_shard * bits // 8
-    kernels.decompress_shard(impl, payload[:used], scales[:lay.padded_shard // lay.block_size],
+    kernels.decompress_shard(impl, payload[:used], scales[:lay.blocks_per_shard],
                              table, 0, bits=bits, average=False, out=delta)
     if target.dtype == torch.float32:
         target.add_(delta)

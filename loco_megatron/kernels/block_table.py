@@ -1,33 +1,43 @@
-"""Per-block gather/scatter table of a bucket's padded wire layout, for the fused kernels.
+"""Per-block gather/scatter table of a bucket's wire layout, for the fused kernels.
 
-A :class:`~loco_megatron.layout.BucketLayout` pads every segment (cut at DP-shard and parameter
-boundaries) to whole blocks, so each wire block lies inside one segment: block ``b`` holds the
-bucket elements ``src[b] .. src[b] + length[b] - 1`` followed by ``block_size - length[b]``
-zeros (``length`` 0 for a shard's trailing padding blocks). The kernels read the bucket through
-this table instead of copying it into the padded layout first.
+A :class:`~loco_megatron.layout.BucketLayout` (or a :class:`~loco_megatron.layout.ChunkView`
+of its shards) cuts the bucket into blocks that each lie inside one segment: block ``b`` holds
+the source elements ``src[b] .. src[b] + length[b] - 1``, and its codes (and its error, which is
+stored in the same wire layout) sit at wire offsets ``off[b] .. off[b] + length[b] - 1``
+(``off[b]`` even; ``length`` may be short at a segment's end, 0 for a chunk's trailing blocks).
+The kernels read the bucket through this table instead of copying it into the wire layout first.
 """
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Union
 
 import torch
 
-from ..layout import BucketLayout
+from ..layout import BucketLayout, ChunkView
+
+View = Union[BucketLayout, ChunkView]
 
 
 @dataclass(frozen=True, eq=False)
 class BlockTable:
-    """Where each wire block of a bucket comes from.
+    """Where each wire block of a bucket comes from and goes.
 
     Attributes:
-        layout: the bucket's :class:`BucketLayout`.
-        src: int64 ``[nblocks]``: bucket offset of each block's first element.
+        layout: the :class:`ChunkView` it describes (``layout.base``: the bucket's layout).
+        src: int64 ``[nblocks]``: source offset of each block's first element.
+        off: int64 ``[nblocks]``: wire offset of each block's first element (even).
         length: int32 ``[nblocks]``: valid elements of each block (0 .. block_size).
+        spans: int64 ``[nblocks]`` on the CPU: wire elements from each block's offset to the
+            next block's (its codes, alignment and trailing padding; they sum to
+            ``padded_numel``): how per-block scales expand to elements.
     """
 
-    layout: BucketLayout
+    layout: ChunkView
     src: torch.Tensor
+    off: torch.Tensor
     length: torch.Tensor
+    spans: torch.Tensor
 
     @property
     def block_size(self) -> int:
@@ -39,12 +49,12 @@ class BlockTable:
 
     @property
     def numel(self) -> int:
-        """Bucket elements (the kernels' input length)."""
+        """Source elements (the compress kernels' input length)."""
         return self.layout.numel
 
     @property
     def padded_numel(self) -> int:
-        """Elements of the padded wire layout (``nblocks * block_size``)."""
+        """Elements of the wire layout (``world * padded_shard``)."""
         return self.layout.world * self.layout.padded_shard
 
     @property
@@ -53,34 +63,41 @@ class BlockTable:
 
     @property
     def shard(self) -> int:
+        """Source elements per chunk."""
         return self.layout.shard
 
     @property
+    def padded_shard(self) -> int:
+        """Wire elements per chunk."""
+        return self.layout.padded_shard
+
+    @property
     def blocks_per_shard(self) -> int:
-        return self.layout.padded_shard // self.layout.block_size
+        return self.layout.blocks_per_shard
 
 
-def _build(layout: BucketLayout) -> BlockTable:
-    bs = layout.block_size
-    nblocks = layout.world * layout.padded_shard // bs
-    src = torch.zeros(nblocks, dtype=torch.int64)
-    length = torch.zeros(nblocks, dtype=torch.int32)
-    for segs in layout.segments:
-        for s, d, n in segs:
-            k = -(-n // bs)
-            first = d // bs
-            steps = torch.arange(k, dtype=torch.int64) * bs
-            src[first:first + k] = s + steps
-            length[first:first + k] = torch.clamp(n - steps, max=bs).to(torch.int32)
-    return BlockTable(layout, src, length)
+def as_view(layout: View) -> ChunkView:
+    """A :class:`ChunkView` (a layout becomes its flat view)."""
+    return ChunkView.flat(layout) if isinstance(layout, BucketLayout) else layout
+
+
+def _build(view: ChunkView) -> BlockTable:
+    blocks = view.blocks()
+    t = torch.tensor(blocks, dtype=torch.int64).view(-1, 3)
+    src, off, length = t[:, 0].contiguous(), t[:, 1].contiguous(), t[:, 2].to(torch.int32)
+    ends = torch.cat((off[1:], torch.tensor([view.world * view.padded_shard])))
+    return BlockTable(view, src, off, length, ends - off)
 
 
 @lru_cache(maxsize=512)
-def _cached(layout: BucketLayout, device: str) -> BlockTable:
-    t = _build(layout)
-    return BlockTable(layout, t.src.to(device), t.length.to(device))
+def _cached(view: ChunkView, device: str) -> BlockTable:
+    t = _build(view)
+    if device == "cpu":
+        return t
+    return BlockTable(view, t.src.to(device), t.off.to(device), t.length.to(device), t.spans)
 
 
-def block_table(layout: BucketLayout, device) -> BlockTable:
-    """The (cached) :class:`BlockTable` of ``layout`` with its tensors on ``device``."""
-    return _cached(layout, str(torch.device(device)))
+def block_table(layout: View, device) -> BlockTable:
+    """The (cached) :class:`BlockTable` of ``layout`` (a :class:`BucketLayout` or a
+    :class:`ChunkView`) with its tensors on ``device`` (``spans`` stays on the CPU)."""
+    return _cached(as_view(layout), str(torch.device(device)))

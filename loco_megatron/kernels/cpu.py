@@ -94,14 +94,14 @@ def _load():
         return None, (f"cannot load {target} ({exc}); delete it to rebuild, or set "
                       f"LOCO_KERNEL_CACHE to another directory")
     lib.loco_compress.restype = ctypes.c_int64
-    lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, ctypes.c_int64, ctypes.c_int,
+    lib.loco_compress.argtypes = [_P, ctypes.c_int, _P, _P, _P, ctypes.c_int64, ctypes.c_int,
                                   ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, ctypes.c_float,
                                   ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_float,
                                   ctypes.c_float, _P, _P]
     lib.loco_decompress.restype = ctypes.c_int
-    lib.loco_decompress.argtypes = [_P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
-                                    ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                    ctypes.c_int, _P]
+    lib.loco_decompress.argtypes = [_P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, _P]
     return lib, None
 
 
@@ -130,7 +130,8 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
     g = g.reshape(-1).contiguous()
     if g.dtype not in (torch.float32, torch.bfloat16):
         g = g.float()
-    payload = torch.empty(table.padded_numel * bits // 8, dtype=torch.uint8)
+    # zeros: the wire elements no block covers (alignment, a shorter shard's end) are zero codes
+    payload = torch.zeros(table.padded_numel * bits // 8, dtype=torch.uint8)
     scales = torch.empty(table.nblocks, dtype=torch.float32)
     err_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None
     buf_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None
@@ -138,7 +139,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
     if not int8 and err.values.dtype != torch.float32:
         raise ValueError(f"the C kernels keep fp32 error values, got {err.values.dtype}")
     rc = lib.loco_compress(_ptr(g), int(g.dtype == torch.bfloat16), _ptr(table.src),
-                           _ptr(table.length), table.nblocks, table.block_size, bits, int(int8),
+                           _ptr(table.off), _ptr(table.length), table.nblocks, table.block_size, bits, int(int8),
                            _ptr(err.codes if int8 else None), _ptr(err.scales if int8 else None),
                            _ptr(None if int8 else err.values), _ptr(payload), _ptr(scales),
                            float(beta), 1.0 - float(beta), int(beta != 0), int(reset),
@@ -157,9 +158,11 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
     direct = out.dtype == torch.float32 and out.is_contiguous()
     target = out if direct else torch.empty(out.numel(), dtype=torch.float32)
     nbs = table.blocks_per_shard
-    rc = lib.loco_decompress(_ptr(payload), _ptr(scales), _ptr(table.src), _ptr(table.length),
-                             nbs, rank * nbs, rank * table.shard, table.world, table.block_size,
-                             bits, int(average), _ptr(target))
+    P = table.padded_shard
+    rc = lib.loco_decompress(_ptr(payload), _ptr(scales), _ptr(table.src), _ptr(table.off),
+                             _ptr(table.length), nbs, rank * nbs, rank * table.shard, P,
+                             rank * P, table.world, table.block_size, bits, int(average),
+                             _ptr(target))
     if rc < 0:
         raise MemoryError("loco_decompress: out of memory for a block workspace")
     if not direct:

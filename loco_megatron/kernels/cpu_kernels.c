@@ -36,7 +36,10 @@ static float clamp_code(float r, float lo, float hi) {
 }
 
 /* One pass per block: h = g + e; codes/scale of h; e = beta * e + (1 - beta) * (h - deQ).
- * g: fp32 (or bf16 when g_bf16) bucket; src/len: block table; err: int8 codes + fp32 scale per block (err_int8) or
+ * g: fp32 (or bf16 when g_bf16) bucket; src/off/len: block table (block b: len[b] valid
+ * elements read from g + src[b]; its codes and its error at wire offset off[b], even; the
+ * elements len..B of the B-wide work tile are zeros, never stored except the zero high nibble
+ * of an odd-length block's last byte); err: int8 codes + fp32 scale per block (err_int8) or
  * fp32 values. Writes payload (bits 4: two codes per byte, even element in the low nibble; bits
  * 8: int8 codes), scales, the error, *err_sq (sum of (h - deQ)^2, may be NULL) and *buf_sq
  * (||e||^2 of the stored int8 error, -1 for fp32 storage; may be NULL). The scale is
@@ -45,7 +48,8 @@ static float clamp_code(float r, float lo, float hi) {
  * (NaN/inf in h) is still encoded (its scale carries the NaN/inf) but keeps its previous error
  * (zero on a reset step) and adds nothing to *err_sq. Returns the number of non-finite blocks,
  * -1 when out of memory. */
-int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32_t *len, int64_t nblocks,
+int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int64_t *woff,
+                  const int32_t *len, int64_t nblocks,
                   int B, int bits, int err_int8, int8_t *ecodes, float *escales, float *evalues,
                   uint8_t *payload, float *scales, float beta, float omb, int use_beta,
                   int reset, float smax, float qdiv, double *err_sq, double *buf_sq) {
@@ -59,14 +63,15 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32
     const float *gb = (const float *)g + src[b];
     const uint16_t *gh = (const uint16_t *)g + src[b];
     const int L = len[b];
-    const int64_t off = b * (int64_t)B;
+    const int64_t off = woff[b];
+    for (int i = L; i < B; i++) e[i] = 0.f;
     if (reset) {
-      for (int i = 0; i < B; i++) e[i] = 0.f;
+      for (int i = 0; i < L; i++) e[i] = 0.f;
     } else if (err_int8) {
       const float es = escales[b];
-      for (int i = 0; i < B; i++) e[i] = (float)ecodes[off + i] * es;
+      for (int i = 0; i < L; i++) e[i] = (float)ecodes[off + i] * es;
     } else {
-      for (int i = 0; i < B; i++) e[i] = evalues[off + i];
+      for (int i = 0; i < L; i++) e[i] = evalues[off + i];
     }
     if (g_bf16) /* bf16 -> fp32 is exact: the high half of the fp32 bit pattern */
       for (int i = 0; i < L; i++) h[i] = bits_to_float((uint32_t)gh[i] << 16) + e[i];
@@ -105,23 +110,23 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32
     } else {
       for (int i = 0; i < B; i++) h[i] = h[i] - q[i] * scale; /* h now holds the new error */
     }
-    if (bits == 4) {
+    if (bits == 4) { /* q[L] is 0 (h = 0) when L is odd: the padding nibble */
       uint8_t *p = payload + off / 2;
-      for (int i = 0; i < B / 2; i++)
+      for (int i = 0; i < (L + 1) / 2; i++)
         p[i] = (uint8_t)(((int)q[2 * i] & 15) | (((int)q[2 * i + 1] & 15) << 4));
     } else {
       int8_t *p = (int8_t *)payload + off;
-      for (int i = 0; i < B; i++) p[i] = (int8_t)q[i];
+      for (int i = 0; i < L; i++) p[i] = (int8_t)q[i];
     }
     if (bad) { /* keep the previous error: cleared only by a reset */
       if (reset && err_int8) {
         escales[b] = 0.f;
-        for (int i = 0; i < B; i++) ecodes[off + i] = 0;
+        for (int i = 0; i < L; i++) ecodes[off + i] = 0;
       } else if (reset) {
-        for (int i = 0; i < B; i++) evalues[off + i] = 0.f;
+        for (int i = 0; i < L; i++) evalues[off + i] = 0.f;
       } else if (err_int8) {
         int32_t isum = 0;
-        for (int i = 0; i < B; i++) isum += (int32_t)ecodes[off + i] * ecodes[off + i];
+        for (int i = 0; i < L; i++) isum += (int32_t)ecodes[off + i] * ecodes[off + i];
         total_buf += (double)escales[b] * (double)escales[b] * (double)isum;
       }
       continue;
@@ -132,14 +137,14 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32
       const float esafe = es > 0.f ? es : 1.f;
       escales[b] = es;
       int32_t isum = 0;
-      for (int i = 0; i < B; i++) {
+      for (int i = 0; i < L; i++) {
         const int8_t c = (int8_t)clamp_code(RNE(h[i] / esafe), -128.f, 127.f);
         ecodes[off + i] = c;
         isum += (int32_t)c * c;
       }
       total_buf += (double)es * (double)es * (double)isum;
     } else {
-      for (int i = 0; i < B; i++) evalues[off + i] = h[i];
+      for (int i = 0; i < L; i++) evalues[off + i] = h[i];
     }
   }
   free(h);
@@ -148,36 +153,39 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int32
   return nonfinite;
 }
 
-/* Sum the world received chunks of one shard: chunk r's block b is at payload
- * (r * nbs + b) * B * bits / 8 with scale scales[r * nbs + b]; fp32 sum in rank order, divided
- * by world when average; valid elements written to out[src[first + b] - out_base ...]. */
+/* Sum the world received chunks of one shard: chunk r's block b has its codes at wire element
+ * r * chunk + woff[first + b] - off_base (even) and scale scales[r * nbs + b]; fp32 sum in rank
+ * order, divided by world when average; the len valid elements written to
+ * out[src[first + b] - out_base ...]. */
 int loco_decompress(const uint8_t *payload, const float *scales, const int64_t *src,
-                    const int32_t *len, int64_t nbs, int64_t first, int64_t out_base, int world,
+                    const int64_t *woff, const int32_t *len, int64_t nbs, int64_t first,
+                    int64_t out_base, int64_t chunk, int64_t off_base, int world,
                     int B, int bits, int average, float *out) {
   float *acc = malloc(sizeof(float) * (size_t)B);
   if (!acc) return -1;
   const float w = (float)world;
   for (int64_t b = 0; b < nbs; b++) {
+    const int L = len[first + b];
     for (int i = 0; i < B; i++) acc[i] = 0.f;
     for (int r = 0; r < world; r++) {
       const int64_t blk = (int64_t)r * nbs + b;
+      const int64_t at = (int64_t)r * chunk + woff[first + b] - off_base;
       const float s = scales[blk];
       if (bits == 4) {
-        const uint8_t *p = payload + blk * B / 2;
-        for (int i = 0; i < B / 2; i++) {
+        const uint8_t *p = payload + at / 2;
+        for (int i = 0; i < (L + 1) / 2; i++) {
           const int lo = p[i] & 15, hi = p[i] >> 4;
           acc[2 * i] += (float)(lo >= 8 ? lo - 16 : lo) * s;
           acc[2 * i + 1] += (float)(hi >= 8 ? hi - 16 : hi) * s;
         }
       } else {
-        const int8_t *p = (const int8_t *)payload + blk * B;
-        for (int i = 0; i < B; i++) acc[i] += (float)p[i] * s;
+        const int8_t *p = (const int8_t *)payload + at;
+        for (int i = 0; i < L; i++) acc[i] += (float)p[i] * s;
       }
     }
     if (average)
-      for (int i = 0; i < B; i++) acc[i] = acc[i] / w;
+      for (int i = 0; i < L; i++) acc[i] = acc[i] / w;
     float *dst = out + (src[first + b] - out_base);
-    const int L = len[first + b];
     for (int i = 0; i < L; i++) dst[i] = acc[i];
   }
   free(acc);

@@ -63,7 +63,7 @@ if triton is not None:
         return tl.where(x != x, 0x7FC0, r).to(tl.int16)
 
     @triton.jit
-    def _compress_kernel(g_ptr, src_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr, evalues_ptr,
+    def _compress_kernel(g_ptr, src_ptr, off_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr, evalues_ptr,
                          payload_ptr, scales_ptr, flag_ptr, errsq_ptr, bufsq_ptr, beta, omb, smax,
                          B: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
                          BITS: tl.constexpr, DIV: tl.constexpr, INT8_ERR: tl.constexpr,
@@ -73,27 +73,28 @@ if triton is not None:
         rmask = rows < nblocks
         src = tl.load(src_ptr + rows, mask=rmask, other=0)
         length = tl.load(len_ptr + rows, mask=rmask, other=0)
+        woff = tl.load(off_ptr + rows, mask=rmask, other=0)
         j = tl.arange(0, HALF)
         ev = 2 * j
         od = ev + 1
         m = rmask[:, None] & (j < B // 2)[None, :]
-        base = rows.to(tl.int64)[:, None] * B
-        ge = tl.load(g_ptr + src[:, None] + ev[None, :], mask=m & (ev[None, :] < length[:, None]),
-                     other=0.0).to(tl.float32)
-        go = tl.load(g_ptr + src[:, None] + od[None, :], mask=m & (od[None, :] < length[:, None]),
-                     other=0.0).to(tl.float32)
+        me = m & (ev[None, :] < length[:, None])  # valid even / odd elements of each block
+        mo = m & (od[None, :] < length[:, None])
+        base = woff.to(tl.int64)[:, None]  # wire (and error) offset of each block, even
+        ge = tl.load(g_ptr + src[:, None] + ev[None, :], mask=me, other=0.0).to(tl.float32)
+        go = tl.load(g_ptr + src[:, None] + od[None, :], mask=mo, other=0.0).to(tl.float32)
         if RESET:
             ee = tl.zeros([ROWS, HALF], dtype=tl.float32)
             eo = tl.zeros([ROWS, HALF], dtype=tl.float32)
         elif INT8_ERR:
             es = tl.load(escales_ptr + rows, mask=rmask, other=0.0)
-            ce0 = tl.load(ecodes_ptr + base + ev[None, :], mask=m, other=0)
-            co0 = tl.load(ecodes_ptr + base + od[None, :], mask=m, other=0)
+            ce0 = tl.load(ecodes_ptr + base + ev[None, :], mask=me, other=0)
+            co0 = tl.load(ecodes_ptr + base + od[None, :], mask=mo, other=0)
             ee = ce0.to(tl.float32) * es[:, None]
             eo = co0.to(tl.float32) * es[:, None]
         else:
-            ee = tl.load(evalues_ptr + base + ev[None, :], mask=m, other=0.0)
-            eo = tl.load(evalues_ptr + base + od[None, :], mask=m, other=0.0)
+            ee = tl.load(evalues_ptr + base + ev[None, :], mask=me, other=0.0)
+            eo = tl.load(evalues_ptr + base + od[None, :], mask=mo, other=0.0)
         he = ge + ee
         ho = go + eo
         amax = tl.maximum(tl.max(tl.abs(he), axis=1), tl.max(tl.abs(ho), axis=1))
@@ -107,11 +108,11 @@ if triton is not None:
         tl.store(scales_ptr + rows, scale, mask=rmask)
         if BITS == 4:
             byte = (qe.to(tl.int32) & 15) | ((qo.to(tl.int32) & 15) << 4)
-            tl.store(payload_ptr + rows.to(tl.int64)[:, None] * (B // 2) + j[None, :],
-                     byte.to(tl.uint8), mask=m)
+            # an odd-length block's last byte: its high nibble is a zero code (h = 0 there)
+            tl.store(payload_ptr + base // 2 + j[None, :], byte.to(tl.uint8), mask=me)
         else:
-            tl.store(payload_ptr + base + ev[None, :], qe.to(tl.int8), mask=m)
-            tl.store(payload_ptr + base + od[None, :], qo.to(tl.int8), mask=m)
+            tl.store(payload_ptr + base + ev[None, :], qe.to(tl.int8), mask=me)
+            tl.store(payload_ptr + base + od[None, :], qo.to(tl.int8), mask=mo)
         erre = he - qe * scale[:, None]
         erro = ho - qo * scale[:, None]
         if ERRSQ:
@@ -138,20 +139,20 @@ if triton is not None:
                 ce = tl.where(keep, ce0.to(tl.float32), ce)
                 co = tl.where(keep, co0.to(tl.float32), co)
                 es2 = tl.where(bad, es, es2)
-            tl.store(ecodes_ptr + base + ev[None, :], ce.to(tl.int8), mask=m)
-            tl.store(ecodes_ptr + base + od[None, :], co.to(tl.int8), mask=m)
+            tl.store(ecodes_ptr + base + ev[None, :], ce.to(tl.int8), mask=me)
+            tl.store(ecodes_ptr + base + od[None, :], co.to(tl.int8), mask=mo)
             tl.store(escales_ptr + rows, es2, mask=rmask)
             if ERRSQ:  # ||e||^2 of the stored error, per block: scale^2 * sum(codes^2)
                 csq = tl.sum(ce * ce, axis=1) + tl.sum(co * co, axis=1)
                 tl.store(bufsq_ptr + rows, es2 * es2 * csq, mask=rmask)
         else:
-            tl.store(evalues_ptr + base + ev[None, :], tl.where(keep, ee, ne), mask=m)
-            tl.store(evalues_ptr + base + od[None, :], tl.where(keep, eo, no), mask=m)
+            tl.store(evalues_ptr + base + ev[None, :], tl.where(keep, ee, ne), mask=me)
+            tl.store(evalues_ptr + base + od[None, :], tl.where(keep, eo, no), mask=mo)
         tl.atomic_add(flag_ptr, tl.sum((bad & rmask).to(tl.int32), axis=0))
 
     @triton.jit
-    def _decompress_kernel(payload_ptr, scales_ptr, out_ptr, src_ptr, len_ptr, nbs, first,
-                           out_base, world, B: tl.constexpr, HALF: tl.constexpr,
+    def _decompress_kernel(payload_ptr, scales_ptr, out_ptr, src_ptr, off_ptr, len_ptr, nbs,
+                           first, out_base, chunk, off_base, world, B: tl.constexpr, HALF: tl.constexpr,
                            ROWS: tl.constexpr, BITS: tl.constexpr, AVERAGE: tl.constexpr,
                            OUT_BF16: tl.constexpr):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -160,28 +161,31 @@ if triton is not None:
         ev = 2 * j
         od = ev + 1
         m = rmask[:, None] & (j < B // 2)[None, :]
+        length = tl.load(len_ptr + first + rows, mask=rmask, other=0)
+        me = m & (ev[None, :] < length[:, None])
+        mo = m & (od[None, :] < length[:, None])
+        rel = tl.load(off_ptr + first + rows, mask=rmask, other=0).to(tl.int64) - off_base
         acc_e = tl.zeros([ROWS, HALF], dtype=tl.float32)
         acc_o = tl.zeros([ROWS, HALF], dtype=tl.float32)
         for r in range(world):
             blk = (r * nbs + rows).to(tl.int64)
+            at = (r * chunk + rel)[:, None]  # wire element of the block's first code (even)
             s = tl.load(scales_ptr + blk, mask=rmask, other=0.0)[:, None]
             if BITS == 4:
-                byte = tl.load(payload_ptr + blk[:, None] * (B // 2) + j[None, :], mask=m,
-                               other=0).to(tl.int32)
+                byte = tl.load(payload_ptr + at // 2 + j[None, :], mask=me, other=0).to(tl.int32)
                 lo = byte & 15
                 hi = (byte >> 4) & 15
                 ce = tl.where(lo >= 8, lo - 16, lo)
                 co = tl.where(hi >= 8, hi - 16, hi)
             else:
-                ce = tl.load(payload_ptr + blk[:, None] * B + ev[None, :], mask=m, other=0)
-                co = tl.load(payload_ptr + blk[:, None] * B + od[None, :], mask=m, other=0)
+                ce = tl.load(payload_ptr + at + ev[None, :], mask=me, other=0)
+                co = tl.load(payload_ptr + at + od[None, :], mask=mo, other=0)
             acc_e += ce.to(tl.float32) * s
             acc_o += co.to(tl.float32) * s
         if AVERAGE:
             acc_e = tl.math.div_rn(acc_e, world.to(tl.float32))
             acc_o = tl.math.div_rn(acc_o, world.to(tl.float32))
         src = tl.load(src_ptr + first + rows, mask=rmask, other=0) - out_base
-        length = tl.load(len_ptr + first + rows, mask=rmask, other=0)
         dst = out_ptr + src[:, None]
         if OUT_BF16:  # out_ptr is the bf16 output viewed as int16
             ve = _bf16_bits(acc_e)
@@ -189,8 +193,8 @@ if triton is not None:
         else:
             ve = acc_e.to(out_ptr.dtype.element_ty)
             vo = acc_o.to(out_ptr.dtype.element_ty)
-        tl.store(dst + ev[None, :], ve, mask=m & (ev[None, :] < length[:, None]))
-        tl.store(dst + od[None, :], vo, mask=m & (od[None, :] < length[:, None]))
+        tl.store(dst + ev[None, :], ve, mask=me)
+        tl.store(dst + od[None, :], vo, mask=mo)
 
 
 def _half(block_size: int) -> int:
@@ -203,7 +207,8 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
     g = g.reshape(-1)
     if not g.is_contiguous():
         g = g.contiguous()
-    payload = torch.empty(table.padded_numel * bits // 8, dtype=torch.uint8, device=dev)
+    # zeros: the wire elements no block covers (alignment, a shorter shard's end) are zero codes
+    payload = torch.zeros(table.padded_numel * bits // 8, dtype=torch.uint8, device=dev)
     scales = torch.empty(table.nblocks, dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     errsq = torch.empty(table.nblocks, dtype=torch.float32, device=dev) if want_err_sq else flag
@@ -213,7 +218,7 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
         raise ValueError(f"the Triton kernels keep fp32 error values, got {err.values.dtype}")
     dummy = scales
     _compress_kernel[(triton.cdiv(table.nblocks, ROWS),)](
-        g, table.src, table.length, table.nblocks,
+        g, table.src, table.off, table.length, table.nblocks,
         err.codes if int8 else dummy, err.scales if int8 else dummy,
         dummy if int8 else err.values,
         payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq, bufsq,
@@ -237,8 +242,9 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
     bf16 = out.dtype == torch.bfloat16
     _decompress_kernel[(triton.cdiv(nbs, ROWS),)](
         payload.view(torch.int8) if bits == 8 else payload, scales,
-        target.view(torch.int16) if bf16 else target, table.src,
-        table.length, nbs, rank * nbs, rank * table.shard, table.world,
+        target.view(torch.int16) if bf16 else target, table.src, table.off,
+        table.length, nbs, rank * nbs, rank * table.shard, table.padded_shard,
+        rank * table.padded_shard, table.world,
         B=table.block_size, HALF=_half(table.block_size), ROWS=ROWS, BITS=bits,
         AVERAGE=bool(average), OUT_BF16=bf16, enable_fp_fusion=False)
     if target is not out:

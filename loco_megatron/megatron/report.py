@@ -14,7 +14,7 @@ from . import compat
 from ..layout import BucketLayout
 from ..accounting import (error_state_bytes, expected_bytes_per_step,
                           hierarchical_bytes_per_step, param_gather_bytes_per_step,
-                          stage_error_elements)
+                          stage_error_bytes)
 
 logger = logging.getLogger("loco_megatron")
 
@@ -175,10 +175,9 @@ def log_param_gather(chunk: int, config: LoCoConfig,
     if loco > stock:
         print_rank_0(
             f"> LoCo WARNING: the parameter all-gather sends {loco / stock:.2f}x stock's bytes: "
-            f"blocks are padded at every parameter and shard boundary, so --loco-block-size "
-            f"{config.block_size} is too large for this model's shards (or 4 bytes of scale per "
-            f"block too many at this size); use a smaller --loco-block-size, or drop "
-            f"--loco-param-bits.")
+            f"every block sends a 4-byte scale, and at --loco-block-size {config.block_size} "
+            f"the scales outweigh the compression of these parameters; use a larger "
+            f"--loco-block-size, or drop --loco-param-bits.")
 
 
 def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
@@ -200,9 +199,7 @@ def log_hierarchical_topology(chunk: int, config: LoCoConfig, buckets) -> None:
     for group, lays in by_group.values():
         topo = group_topology(group)
         M, L = topo.num_nodes, topo.per_node
-        elements = sum(stage_error_elements(config, M, L, lay) for lay, _ in lays)
-        memory = (elements + 4 * (elements // config.block_size) if config.error_dtype == "int8"
-                  else 4 * elements)
+        memory = sum(stage_error_bytes(config, M, L, lay) for lay, _ in lays)
         stage1 = ("full precision (grad dtype)" if config.intra_node_bits == 16
                   else "8-bit compensated")
         mode = (f"intra-node stage {stage1}, inter-node stage {config.bits}-bit compensated"

@@ -22,8 +22,7 @@ from typing import List, Optional, Tuple
 from ..config import LoCoConfig
 from ..layout import BucketLayout
 from ..accounting import (error_state_bytes, expected_bytes_per_step,
-                          hierarchical_bytes_per_step, stage_error_elements)
-from ..quantization import wire_bytes
+                          hierarchical_bytes_per_step, stage_error_bytes)
 from .cluster import GroupSpread
 from .model import Param
 
@@ -143,11 +142,10 @@ def bucket_bytes(bucket: Bucket, grad_elem: int, bits: int, block_size: int,
     M, L = bucket.group.nodes, bucket.group.per_node
     if hierarchical:
         intra, inter = hierarchical_bytes_per_step(cfg, M, L, [(lay, grad_elem)])
-        n = stage_error_elements(cfg, M, L, lay)
-        error = n + 4 * (n // block_size)
+        error = stage_error_bytes(cfg, M, L, lay)
     else:
         intra = inter = 0
         error = error_state_bytes(cfg, [lay])[0]
     padded = lay.world * lay.padded_shard
-    return BucketBytes(stock, flat, intra, inter, error, wire_bytes(padded, bits, block_size),
-                       padded)
+    return BucketBytes(stock, flat, intra, inter, error,
+                       padded * bits // 8 + 4 * lay.nblocks, padded)

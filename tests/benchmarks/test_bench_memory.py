@@ -81,7 +81,7 @@ def test_measure_tells_the_implementations_apart(probes):
 
 
 def _layout(identity: bool) -> BucketLayout:
-    lay = BucketLayout.build(8192, 2, 256, () if identity else (1000, 5000))
+    lay = BucketLayout.build(8192, 2, 256, () if identity else (1001, 5001))  # odd: copied
     assert lay.is_identity == identity
     return lay
 
@@ -112,7 +112,7 @@ def test_fused_formula_phases():
     kernel copies fp16 (not bf16) buckets to fp32 and decompresses into an fp32 shard when the
     output is not fp32; Triton does neither; telemetry adds per-block partials (Triton)."""
     lay = _layout(False)
-    n, s = lay.world * lay.padded_shard, lay.world * lay.padded_shard // 256
+    n, s = lay.world * lay.padded_shard, lay.nblocks  # wire codes, blocks (the last ones short)
     c = loco_memory_formula(lay, 4, 4, 256)
     assert c["impl"] == "fused (C)" and c["wire"] == n // 2 + 4 * s
     assert 0 <= c["transient_peak"] - 2 * c["wire"] <= 4 * 256
@@ -173,7 +173,7 @@ def test_triton_telemetry_formula_follows_the_kernel():
         "from loco_megatron.layout import BucketLayout\n"
         "lay = BucketLayout.build(2048, 2, 256)\n"
         "t = kernels.block_table(lay, 'cpu')\n"
-        "err = ErrorBuffer(t.padded_numel, 256, 'int8', torch.float32, 'cpu')\n"
+        "err = ErrorBuffer(t.padded_numel, 256, 'int8', torch.float32, 'cpu', t.spans)\n"
         "out = kernels.compress_bucket('triton', torch.randn(2048), t, err, bits=4, beta=0.8,\n"
         "                              reset=False, want_err_sq=True)\n"
         "print(out[4] is not None)\n")

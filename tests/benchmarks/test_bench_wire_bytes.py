@@ -128,7 +128,8 @@ def test_llama2_7b_acceptance_and_formula(llama7b):
         assert row["loco4_vs_fp32"] <= 0.135
         assert row["loco4_vs_bf16"] == pytest.approx(row["loco4"] / row["bf16"])
         assert row["exact_is_formula_padded"]
-        assert row["loco4"] >= row["formula4"]  # padding only adds
+        assert row["loco4"] >= row["formula4"]  # short blocks' scales and alignment only add
+        assert row["loco4"] <= row["loco4_padded_format"]  # never more than the padded format
         dp = row["dp"]
         stock_bf16 = (dp - 1) / dp * row["numel"] * 2
         assert row["bf16"] == pytest.approx(stock_bf16, rel=0, abs=0.5)
@@ -137,13 +138,15 @@ def test_llama2_7b_acceptance_and_formula(llama7b):
 
 
 def test_loco_bytes_by_hand():
-    """One small layout counted by hand: 2 ranks, 1000 elements cut at 130 -> shards [0,500)
-    = blocks of 130->256 and 370->512 (768 padded) ... per rank padded shard 768."""
+    """One small layout counted by hand: 2 ranks, 1000 elements cut at 130 -> shard 0 =
+    segments of 130 (1 block) and 370 (2 blocks, the last short), shard 1 = 500 (2 blocks):
+    500 codes and 3 blocks per rank on the wire; the padded format sent 256 + 512 codes."""
     from benchmarks import wire_bytes as wb
     from loco_megatron.layout import BucketLayout
 
     layout = BucketLayout.build(1000, 2, 256, [130])
-    assert layout.padded_shard == 256 + 512
-    # 2 * 768 elements, 4 bits: 768 bytes codes + 6 blocks * 4 bytes; half of it sent
-    assert wb.loco_bytes(layout, 4) == (2 * 768 // 2 + 6 * 4) // 2
+    assert (layout.padded_shard, layout.blocks_per_shard) == (500, 3)
+    # 500 codes at 4 bits + 3 scales, to the one peer
+    assert wb.loco_bytes(layout, 4) == 500 // 2 + 3 * 4
+    assert wb.padded_format_bytes(layout, 4) == 768 // 2 + 3 * 4
     assert wb.stock_bytes(layout, 2) == 500 * 2

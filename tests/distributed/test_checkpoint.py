@@ -216,6 +216,36 @@ def _retype_codes(d):
         torch.save(state, path)
 
 
+def _legacy_padded(d):
+    """Make the checkpoint look like one of the padded wire format (before short last blocks):
+    no ``meta["wire"]``, and the exact form in a longer layout (whole blocks)."""
+    for path in glob.glob(os.path.join(d, "**", "loco_state_*.pt"), recursive=True):
+        state = torch.load(path, weights_only=True)
+        meta = state.get("meta")
+        if meta:
+            assert meta.pop("wire") == "packed"
+            for b in meta["buckets"].values():
+                b["error_numel"] += 64
+        for entry in (state.get("exact") or {}).values():
+            entry["codes"] = torch.cat((entry["codes"], torch.zeros(64, dtype=torch.int8)))
+            entry["scales"] = torch.cat((entry["scales"], torch.zeros(1)))
+        torch.save(state, path)
+
+
+def test_padded_wire_format_checkpoint_resumes_from_the_summed_form(saved, tmp_path):
+    """A checkpoint of the older padded wire format resumes: its exact form does not fit the
+    packed layout, so every bucket is restored from the DP-summed form, with one warning."""
+    results = _corrupt(saved, tmp_path, "torch", _legacy_padded)
+    for rank, res in enumerate(results):
+        assert "error" not in res[0], res[0].get("error")
+        assert len(res[0]["losses"]) == 1 and torch.isfinite(torch.tensor(res[0]["losses"])).all()
+        after = res[0]["errors_after_load"]  # the rank's shard of the sum: not zero
+        assert after and any(bool(f["codes"].any()) for f in after.values()), (rank, after)
+    logs = results[0][0]["logs"]
+    assert len(logs) == 1 and "wire format changed padded -> packed" in logs[0], logs
+    assert "resharded from the DP-summed form" in logs[0]
+
+
 def test_truncated_torch_file_is_a_clear_error(saved, tmp_path):
     results = _corrupt(saved, tmp_path, "torch", _truncate("**/loco_state_*.pt"))
     for res in results:  # DP rank 0's file is read first, for the metadata

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from loco_megatron.collectives import WireStats, compensated_reduce_scatter
 from loco_megatron.compensator import Compensator
 from loco_megatron.config import LoCoConfig
-from loco_megatron.quantization import quantize_blockwise, wire_bytes
+from loco_megatron.quantization import quantize_blockwise
 
 from tests.helpers.multiproc import run_ranks
 
@@ -75,9 +75,10 @@ def test_low_bit_within_scale_bound_and_async_agrees(world, numel, bits):
         assert err.max() > 0  # really quantized
         for _, got_s, got_a in steps:
             assert torch.equal(got_s, got_a)  # sync and async agree bit-for-bit
-        # exact bytes: (world-1)/world of payload + scales per step
-        pshard = -(-shard // 32) * 32
-        assert stats.bytes_sent == 3 * (world - 1) * wire_bytes(pshard, bits, 32)
+        # exact bytes per step, to each peer: the shard's codes (an odd shard gets one zero
+        # code: even offsets) and one scale per 32 elements, the last block short
+        codes, blocks = shard + shard % 2, -(-shard // 32)
+        assert stats.bytes_sent == 3 * (world - 1) * (codes * bits // 8 + 4 * blocks)
         assert stats.stock_bytes == 3 * (world - 1) * shard * 4
 
 

@@ -6,6 +6,8 @@ reported in a warning. CPU ranks: gloo + CUDA emulation, the tiny GPT of worker_
 import pytest
 import torch
 
+from loco_megatron.kernels import block_table
+
 from tests.helpers.multiproc import run_ranks
 from .worker_failures import MISMATCHES, agreement_worker, nan_worker, per_token_loss_worker
 
@@ -50,19 +52,30 @@ def test_per_token_loss_refused_when_the_model_is_wrapped():
         assert out[16] is None
 
 
-def _block_of(buckets, index, block):
-    """(bucket index, block index in the padded layout) of grad-buffer element ``index``."""
+def _block_of(buckets, index):
+    """(bucket index, block index in the wire layout) of grad-buffer element ``index``."""
     for i, b in enumerate(buckets):
         local = index - b["offset"]
         for segs in b["layout"].segments:
             for src, dst, n in segs:
                 if src <= local < src + n:
-                    return i, (dst + local - src) // block
+                    t = block_table(b["layout"], "cpu")
+                    at = dst + local - src
+                    inside = (t.off <= at) & (at < t.off + t.length)
+                    return i, int(inside.nonzero())
     raise AssertionError(f"element {index} is in no bucket")
 
 
-def _rows(t, b, block, nblocks):
-    return t.view(nblocks, -1)[b] if t.numel() != nblocks else t[b]
+def _mask(t, blk, table):
+    """True on the stored values of block ``blk`` (its scale, or its elements)."""
+    if t.numel() == table.nblocks:
+        m = torch.zeros(table.nblocks, dtype=torch.bool)
+        m[blk] = True
+        return m
+    m = torch.zeros(t.numel(), dtype=torch.bool)
+    at, n = int(table.off[blk]), int(table.length[blk])
+    m[at:at + n] = True
+    return m
 
 
 @pytest.mark.parametrize("storage", ["int8", "fp32"])
@@ -85,22 +98,18 @@ def test_nonfinite_gradient_skips_the_error_update_of_its_block(storage):
             if step == 0:
                 continue
             if bad:
-                i, blk = _block_of(buckets, st["bad_index"], 64)
+                i, blk = _block_of(buckets, st["bad_index"])
                 bad_key = buckets[i]["key"]
                 assert "1 quantization block(s)" in st["warnings"][0]
                 assert str(bad_key) in st["warnings"][0]
             for key, fields in st["after"].items():
-                nblocks = next(b["layout"] for b in buckets if b["key"] == key)
-                nblocks = nblocks.world * nblocks.padded_shard // 64
+                table = block_table(next(b["layout"] for b in buckets if b["key"] == key), "cpu")
                 for name, t in fields.items():
                     old = st["before"][key][name]
                     if bad and key == bad_key:
-                        assert torch.equal(_rows(t, blk, 64, nblocks),
-                                           _rows(old, blk, 64, nblocks)), (step, name)
-                        keep = torch.ones(nblocks, dtype=torch.bool)
-                        keep[blk] = False
-                        t = t.view(nblocks, -1)[keep] if t.numel() != nblocks else t[keep]
-                        old = old.view(nblocks, -1)[keep] if old.numel() != nblocks else old[keep]
+                        m = _mask(t, blk, table)
+                        assert torch.equal(t[m], old[m]), (step, name)
+                        t, old = t[~m], old[~m]
                     assert not torch.equal(t, old), (rank, step, key, name)  # updated
 
 

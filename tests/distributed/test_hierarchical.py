@@ -9,8 +9,8 @@ import torch
 
 from loco_megatron import LoCoConfig, LoCoConfigError
 from loco_megatron.hierarchical import NodeTopology, local_world_size
-from loco_megatron.quantization import dequantize_blockwise, quantize_blockwise
 
+from tests.helpers.blocks import block_absmax, roundtrip, shard_spans
 from tests.helpers.multiproc import run_ranks
 from .test_checkpoint import FORMATS, _assert_resumed_exactly, _load, _save_jobs
 from .worker_ckpt import ckpt_worker
@@ -21,11 +21,6 @@ WORLD, LOCAL = 4, 2
 NODES = [[0, 1], [2, 3]]
 GPT_STEPS, GPT_CHECKS = 6, (0, 4)
 HIER_CKPT = dict(bits=4, block_size=64, reset_interval=3, hierarchical=True, intra_node_bits=8)
-
-
-def _block_absmax(x: torch.Tensor) -> torch.Tensor:
-    """Per-element absmax of its ``BLOCK``-element block (``x`` in the padded layout)."""
-    return x.view(-1, BLOCK).abs().amax(dim=1).repeat_interleave(BLOCK)
 
 
 @pytest.fixture(scope="module")
@@ -51,15 +46,15 @@ def test_collective_within_bound_of_exact(collective, intra, op):
     P = lay.padded_shard
     G = [lay.to_padded(grad(r, 0).double(), torch.float64) for r in range(WORLD)]
     for s in range(WORLD):
-        rows = slice(s * P, (s + 1) * P)
+        rows, spans = slice(s * P, (s + 1) * P), shard_spans(lay, s)
         exact = sum(g[rows] for g in G)
         bound = torch.zeros(P, dtype=torch.float64)
         for node in NODES:
             partial = sum(G[r][rows] for r in node)
-            intra_err = (sum(_block_absmax(G[r][rows]) / 127 / 2 for r in node) if intra == 8
-                         else torch.zeros(P, dtype=torch.float64))
-            worst_intra = intra_err.view(-1, BLOCK).amax(dim=1).repeat_interleave(BLOCK)
-            bound += intra_err + (_block_absmax(partial) + worst_intra) / 7 / 2
+            intra_err = (sum(block_absmax(G[r][rows], spans) / 127 / 2 for r in node)
+                         if intra == 8 else torch.zeros(P, dtype=torch.float64))
+            worst_intra = block_absmax(intra_err, spans)
+            bound += intra_err + (block_absmax(partial, spans) + worst_intra) / 7 / 2
         bound += 1e-5 * sum(g[rows].abs() for g in G) + 1e-6  # fp32 sums
         if op == "avg":
             exact, bound = exact / WORLD, bound / WORLD
@@ -74,12 +69,16 @@ def test_collective_within_bound_of_exact(collective, intra, op):
 
 @pytest.mark.parametrize("intra", [16, 8])
 def test_wire_bytes_exact(collective, intra):
-    """Inter-node bytes per rank = (M-1)/M * n/L * (bits + 32/block)/8 on the padded size n;
-    intra-node: (L-1)/L * n elements in the stage's format (fp32, or 8-bit codes + scales)."""
+    """Inter-node bytes per rank = (M-1) peers x (P codes at 4 bits + K scales); intra-node:
+    (L-1) peers x M shards in the stage's format (P fp32, or P 8-bit codes + K scales), for a
+    wire shard of P elements and K blocks (the largest shard's)."""
     lay = layout(WORLD)
-    n, M, L, bits = WORLD * lay.padded_shard, len(NODES), LOCAL, 4
-    inter = (M - 1) * n * (bits + 32 / BLOCK) / (8 * M * L)
-    intra_bytes = (L - 1) * n / L * (4 if intra == 16 else 1 + 4 / BLOCK)
+    P, K, M, L, bits = lay.padded_shard, lay.blocks_per_shard, len(NODES), LOCAL, 4
+    # by hand: shards of 301 elements cut at 100, 555, 900: segments 100 + 201, 254 + 47,
+    # 298 + 3, 301; codes (odd segments + 1) 302 each; blocks of 32: 4 + 7, 8 + 2, 10 + 1, 10
+    assert (P, K) == (302, 11)
+    inter = (M - 1) * (P * bits // 8 + 4 * K)
+    intra_bytes = (L - 1) * M * (4 * P if intra == 16 else P + 4 * K)
     for rank in range(WORLD):
         stats = collective[rank][(intra, "sum")]["stats"]
         assert stats["calls"] == 2
@@ -109,8 +108,8 @@ def test_inter_stage_error_identity(collective):
                 prev = collective[rank][(16, op)]["steps"][step - 1]["errors"]["inter"] \
                     if step else 0
                 h[rank] = partial + prev
-                codes, scales = quantize_blockwise(h[rank], 4, BLOCK)
-                expected = h[rank] - dequantize_blockwise(codes, scales, BLOCK)
+                spans = torch.cat([shard_spans(lay, c) for c in column])
+                expected = h[rank] - roundtrip(h[rank], spans, 4)
                 got = collective[rank][(16, op)]["steps"][step]["errors"]["inter"]
                 assert torch.equal(got, expected), (op, step, rank)
             for s in range(WORLD):
@@ -241,7 +240,8 @@ def test_megatron_gpt_two_nodes(two_nodes):
                                                         for lay in loco4["layouts"])
         assert wire["calls"] == steps * len(loco4["layouts"])
         elements = sum(stage_error_elements(cfg, 2, 2, lay) for lay in loco4["layouts"])
-        assert loco4["error_bytes"] == elements + 4 * elements // cfg.block_size  # int8 + scales
+        blocks = sum(2 * lay.blocks_per_shard for lay in loco4["layouts"])  # M=2 shards each
+        assert loco4["error_bytes"] == elements + 4 * blocks  # int8 + scales of the inter stage
     # start-up lines (rank 0): the real two-stage figures, printed once, on the buffer line and
     # the chunk's totals; the topology line names nodes x ranks and the stages' error state
     lines = results[0]["loco4"]["startup"]

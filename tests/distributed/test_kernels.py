@@ -41,7 +41,7 @@ TRITON_MARKS = [
     pytest.mark.skipif(not CHILD and not torch.cuda.is_available(),
                        reason="interpreted in a clean child process: test_triton_in_clean_process")]
 FUSED = ["cpu", pytest.param("triton", marks=TRITON_MARKS)]
-# A bucket of 3 DP shards with parameter boundaries: blocks padded at every cut.
+# A bucket of 3 DP shards with parameter boundaries: blocks cut short at every cut.
 LAYOUT = dict(numel=3 * 700, world=3, boundaries=(123, 1000, 1555))
 
 
@@ -57,7 +57,7 @@ def _run(impl, bits, storage, dtype, block, beta, steps=4, bad=None, grid="symme
     dev = _device(impl)
     layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], block, LAYOUT["boundaries"])
     table = kernels.block_table(layout, dev)
-    err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, dev)
+    err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, dev, table.spans)
     gen = torch.Generator().manual_seed(7)
     out = []
     for step in range(steps):
@@ -140,8 +140,11 @@ def test_nonfinite_block(impl, bad):
     assert torch.equal(torch.isnan(r[1]), torch.isnan(g[1]))  # NaN stays NaN, inf stays inf
     # the bad block kept the previous step's error, the others updated: as the reference
     assert torch.equal(r[4], g[4]) and torch.isfinite(g[4]).all()
-    bad = int((~fin).nonzero()) * 64
-    assert torch.equal(g[4][bad:bad + 64], got[1][4][bad:bad + 64])
+    table = kernels.block_table(BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64,
+                                                   LAYOUT["boundaries"]), "cpu")
+    blk = int((~fin).nonzero())
+    at, n = int(table.off[blk]), int(table.length[blk])  # the bad block's error in the buffer
+    assert torch.equal(g[4][at:at + n], got[1][4][at:at + n])
     assert not torch.equal(g[4], got[1][4])
     for r, g in zip(ref[3:], got[3:]):  # and the next step is exact again
         assert torch.equal(r[0], g[0]) and torch.equal(r[4], g[4]) and not g[2]
@@ -233,7 +236,7 @@ from triton.compiler import ASTSource
 from loco_megatron.kernels import triton_kernels as tk
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
 opts = {"enable_fp_fusion": False}
-sig = {"g_ptr": "*bf16", "src_ptr": "*i64", "len_ptr": "*i32", "nblocks": "i32",
+sig = {"g_ptr": "*bf16", "src_ptr": "*i64", "off_ptr": "*i64", "len_ptr": "*i32", "nblocks": "i32",
        "ecodes_ptr": "*i8", "escales_ptr": "*fp32", "evalues_ptr": "*fp32", "payload_ptr": "*u8",
        "scales_ptr": "*fp32", "flag_ptr": "*i32", "errsq_ptr": "*fp32", "bufsq_ptr": "*fp32",
        "beta": "fp32", "omb": "fp32", "smax": "fp32"}
@@ -241,7 +244,8 @@ consts = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "DIV": 7, "INT8_ERR
           "RESET": False, "USE_BETA": True, "ERRSQ": True}
 sig.update({k: "constexpr" for k in consts})
 sig2 = {"payload_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "src_ptr": "*i64",
-        "len_ptr": "*i32", "nbs": "i32", "first": "i32", "out_base": "i64", "world": "i32"}
+        "off_ptr": "*i64", "len_ptr": "*i32", "nbs": "i32", "first": "i32", "out_base": "i64",
+        "chunk": "i64", "off_base": "i64", "world": "i32"}
 consts2 = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "AVERAGE": True, "OUT_BF16": True}
 sig2.update({k: "constexpr" for k in consts2})
 for fn, sg, cs in ((tk._compress_kernel, sig, consts), (tk._decompress_kernel, sig2, consts2)):
@@ -306,7 +310,7 @@ def test_reference_divides_by_tensors_not_python_numbers():
 
     layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
     table = kernels.block_table(layout, "cpu")
-    err = ErrorBuffer(table.padded_numel, 64, "int8", torch.float32, "cpu")
+    err = ErrorBuffer(table.padded_numel, 64, "int8", torch.float32, "cpu", table.spans)
     g = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
     with Record():
         payload, scales, *_ = kernels.compress_bucket("torch", g, table, err, bits=4, beta=0.8,
@@ -352,7 +356,8 @@ def _run_case(impl, case, steps=4):
     dev = _device(impl)
     layout = case["layout"]
     table = kernels.block_table(layout, dev)
-    err = ErrorBuffer(table.padded_numel, layout.block_size, case["storage"], torch.float32, dev)
+    err = ErrorBuffer(table.padded_numel, layout.block_size, case["storage"], torch.float32, dev,
+                      table.spans)
     gen = torch.Generator().manual_seed(case["seed"])
     out = []
     for step in range(steps):

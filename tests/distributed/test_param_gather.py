@@ -231,14 +231,18 @@ def test_overlapped_differences_survive_a_reload_or_a_second_step(run_ranks, hoo
 
 
 def test_startup_warns_when_differences_outweigh_the_parameters(capsys):
-    """Blocks padded at every boundary: a huge block on small shards sends more than stock;
-    the start-up line says so and names --loco-block-size."""
+    """Every block sends a 4-byte scale: 2-element blocks of 8-bit differences of bf16
+    parameters (2 bytes of codes + 4 of scale per 4 bytes stock) send more than stock; the
+    start-up line says so and names --loco-block-size. A huge block costs nothing extra."""
     from loco_megatron.layout import BucketLayout
     from loco_megatron.megatron.report import log_param_gather
 
-    cfg = LoCoConfig(param_bits=4, block_size=65536)
-    log_param_gather(0, cfg, [(BucketLayout.build(4096, 2, 65536, (100, 1000)), 2)])
+    cfg = LoCoConfig(param_bits=8, block_size=2)
+    log_param_gather(0, cfg, [(BucketLayout.build(4096, 2, 2, (100, 1000)), 2)])
     out = capsys.readouterr().out
-    assert "LoCo WARNING: the parameter all-gather sends" in out and "--loco-block-size 65536" in out
+    assert "LoCo WARNING: the parameter all-gather sends" in out and "--loco-block-size 2" in out
+    log_param_gather(0, LoCoConfig(param_bits=4, block_size=65536),
+                     [(BucketLayout.build(4096, 2, 65536, (100, 1000)), 2)])
+    assert "WARNING" not in capsys.readouterr().out
     log_param_gather(0, LoCoConfig(param_bits=4), [(BucketLayout.build(4096, 2, 256), 2)])
     assert "WARNING" not in capsys.readouterr().out

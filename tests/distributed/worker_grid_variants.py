@@ -125,8 +125,12 @@ def run_variant(mode: str, overlap: bool, bucket_size: int = 9025, fp8_groups: b
             res["counters"] = {"calls": state.wire.calls, "compress": stats.calls,
                                "buckets": state.num_buckets, "keys": len(stats.steps),
                                "steps": sorted(set(stats.steps.values())),
-                               "padded": [state.layouts[k].padding_fraction() > 0
-                                          for k in sorted(state.layouts)]}
+                               # a bucket with short blocks (a segment not a whole number of
+                               # blocks: the last one short, nothing padded on the wire)
+                               "short": [any(n % lay.block_size for segs in lay.segments
+                                             for *_, n in segs)
+                                         for lay in (state.layouts[k]
+                                                     for k in sorted(state.layouts))]}
         return res
     finally:
         loco_megatron.uninstall()

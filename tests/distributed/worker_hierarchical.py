@@ -171,8 +171,9 @@ class _Recorder:
     def check(self, model, group):
         """``{"shard": max |result - sum h| / bound, "partial": max |h - e_prev - exact
         partial|}`` over the buckets; bound = sum over nodes of the 4-bit half step of h."""
-        from loco_megatron.hierarchical import group_topology
-        from loco_megatron.quantization import quantize_blockwise
+        from loco_megatron.hierarchical import group_topology, inter_view
+        from loco_megatron.kernels import block_table
+        from loco_megatron.quantization import divisor
 
         cfg, topo = self.state.config, group_topology(group)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -190,8 +191,11 @@ class _Recorder:
                                            for c in column])
                 worst["partial"] = max(worst["partial"],
                                        float((h - e_prev - exact_partial).abs().max()))
-                _, scales = quantize_blockwise(h.float(), cfg.bits, cfg.block_size)
-                half = (scales.double() / 2).repeat_interleave(cfg.block_size)
+                # the inter stage's blocks: the column's wire shards, their blocks in order
+                spans = block_table(inter_view(lay, column), "cpu").spans
+                amax = torch.segment_reduce(h.float().abs(), "max", lengths=spans, unsafe=True,
+                                            initial=0.0)
+                half = (amax.double() / divisor(cfg.bits, cfg.grid) / 2).repeat_interleave(spans)
                 hs, halves = [torch.empty_like(h) for _ in range(world)], \
                     [torch.empty_like(half) for _ in range(world)]
                 dist.all_gather(hs, h, group=group)

@@ -9,6 +9,7 @@ on them. The tiny GPT is wrapped as ``megatron.training.get_model`` does for ``-
 import torch
 import torch.distributed as dist
 
+from tests.helpers.blocks import decoded_error
 from .worker_megatron import SEQ, VOCAB, ShardChecker, setup
 
 #: initial loss scale, growth interval: the scale grows after steps 2 and 7, and an inf
@@ -29,11 +30,7 @@ def _decoded(state):
     """Every error buffer decoded to fp64 (int8: codes * scale, exact in fp64)."""
     out = {}
     for key, buf in state.compensator.errors.items():
-        if buf.storage == "int8":
-            blocks = buf.codes.double().view(-1, buf.block_size) * buf.scales.double()[:, None]
-            out[key] = blocks.view(-1)
-        else:
-            out[key] = buf.values.double()
+        out[key] = decoded_error(buf)
     return out
 
 

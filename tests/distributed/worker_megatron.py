@@ -54,7 +54,7 @@ class ShardChecker:
         instances after); ``summed_over(bucket)``: a process group whose ranks' reduced shards
         of this bucket megatron sums after the reduce-scatter (finalize_model_grads' embedding
         all-reduce between first and last pipeline stage), or None."""
-        from loco_megatron.quantization import quantize_blockwise
+        from tests.helpers.blocks import half_steps, spans
 
         cfg, worst = self.state.config, 0.0
         rank, world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
@@ -62,8 +62,7 @@ class ShardChecker:
         for group in model.bucket_groups:
             for bucket in group.buckets:
                 h = self.sent[bucket.loco_key]
-                _, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
-                half_step = (scales / 2).repeat_interleave(cfg.block_size)
+                half_step = half_steps(h, spans(self.state.layouts[bucket.loco_key]), cfg.bits)
                 exact, bound = h.clone(), half_step.clone()
                 dist.all_reduce(exact, group=sum_group)
                 dist.all_reduce(bound, group=sum_group)

@@ -25,6 +25,7 @@ def drift_ratio(opt, sync) -> float:
     bound = half the block's quantization step of the last difference + half an ulp of the
     parameter dtype + the fp32 roundings of ``new - held`` and ``held + deQ``."""
     from loco_megatron.megatron import param_sync
+    from loco_megatron.kernels import block_table
     from loco_megatron.weight_difference import shard_layouts
 
     worst = 0.0
@@ -37,8 +38,9 @@ def drift_ratio(opt, sync) -> float:
             if key not in sync.last_scales:
                 continue
             lay = shard_layouts(e.layout)[e.rank]
-            half = (sync.last_scales[key][:lay.padded_shard // lay.block_size] / 2)
-            half = half.repeat_interleave(lay.block_size)
+            spans = block_table(lay, "cpu").spans  # each block's wire elements
+            half = (sync.last_scales[key][:lay.blocks_per_shard] / 2).cpu()
+            half = half.repeat_interleave(spans)
             step = torch.empty(lay.shard, dtype=torch.float32)
             lay.from_padded_shard(half, 0, step)
             h = held[key].float()

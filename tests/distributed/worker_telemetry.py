@@ -13,7 +13,7 @@ class Reference:
     all-to-alls, minus the chunk each call keeps for itself."""
 
     def __init__(self, state):
-        from loco_megatron.quantization import dequantize_blockwise, quantize_blockwise
+        from tests.helpers.blocks import roundtrip, spans
 
         self.state, self.err_sq, self.bytes = state, 0.0, 0
         comp, cfg = state.compensator, state.config
@@ -25,8 +25,9 @@ class Reference:
             buf = comp.errors.get(key)
             e_prev = buf.get() if buf is not None else torch.zeros_like(g, dtype=torch.float32)
             h = g.float() + e_prev  # reset_interval is never reached in these runs
-            codes, scales = quantize_blockwise(h, cfg.bits, cfg.block_size)
-            deq = dequantize_blockwise(codes, scales.float(), cfg.block_size, dtype=torch.float64)
+            sp = (spans(layout) if layout is not None else
+                  torch.full((h.numel() // cfg.block_size,), cfg.block_size))
+            deq = roundtrip(h, sp, cfg.bits, torch.float64)
             self.err_sq += float((h.double() - deq).square().sum())
             return compress(key, g_in, layout)
 

@@ -19,7 +19,6 @@ from loco_megatron.planner.buckets import buffer_buckets, gpu_buckets
 from loco_megatron.planner.cluster import GBIT, ClusterSpec, GroupSpread, ParallelSpec
 from loco_megatron.planner.model import ModelSpec
 from loco_megatron.planner.predict import PlanOptions, plan
-from loco_megatron.quantization import wire_bytes
 
 REPO = Path(__file__).resolve().parent.parent.parent
 LLAMA = ["plan", "--config", str(REPO / "configs/llama2_7b.yaml")]
@@ -81,18 +80,18 @@ def test_bytes_are_locos_own_formulas():
         start += prm.numel
     numel = -(-start // math.lcm(8, 128)) * math.lcm(8, 128)
     lay = BucketLayout.build(numel, 8, 256, bounds)
-    P = lay.padded_shard
+    P, K = lay.padded_shard, lay.blocks_per_shard
     assert v["stock fp32"]["grad_bytes_sent"] == 7 * (numel // 8) * 4
     assert v["stock bf16"]["grad_bytes_sent"] == 7 * (numel // 8) * 2
     assert v["stock fp32"]["cross_node_bytes_per_gpu"] == pytest.approx(7 * (numel // 8) * 4 / 4)
     for bits in (4, 8):
         flat = v[f"LoCo {bits}-bit flat"]
-        assert flat["grad_bytes_sent"] == 7 * wire_bytes(P, bits, 256)
-        assert flat["error_buffer_bytes"] == 8 * P + 4 * (8 * P // 256)
+        assert flat["grad_bytes_sent"] == 7 * (P * bits // 8 + 4 * K)
+        assert flat["error_buffer_bytes"] == 8 * P + 4 * 8 * K
         # DP 8 = 2 nodes x 4: intra (L-1) M P fp32 elements, inter (M-1) codes of P elements
         h16 = v[f"LoCo {bits}-bit hier. intra 16"]
         assert h16["intra_node_bytes"] == 3 * 2 * P * 4
-        assert h16["inter_node_bytes"] == 1 * wire_bytes(P, bits, 256)
+        assert h16["inter_node_bytes"] == 1 * (P * bits // 8 + 4 * K)
         # what leaves the node per GPU: a ring's boundary load shared by L = 4 GPUs; an
         # all-to-all's 4 remote peers of 7; the hierarchical inter-node stage
         assert flat["cross_node_bytes_per_gpu"] == pytest.approx(flat["grad_bytes_sent"] * 4 / 7)
@@ -328,6 +327,8 @@ def test_parameter_all_gather_rows_count_exact_bytes(capsys):
     bucket = Bucket(2100, ((0, 123), (123, 1000), (1000, 2100)), False, 1.0, GroupSpread(3, 1, 3))
     cluster = ClusterSpec(nodes=1, gpus_per_node=3)
     opt = PlanOptions(block_size=64, param_elem=2)
-    padded = max(sum(-(-n // 64) * 64 for n in seg) for seg in ([123, 577], [300, 400], [700]))
-    assert param_gather([bucket], cluster, opt, 4)[1] == 2 * (4 * padded // 8 + 4 * padded // 64)
+    shards = ([123, 577], [300, 400], [700])
+    wire = max(sum(n + n % 2 for n in seg) for seg in shards)  # codes, even offsets: 702
+    blocks = max(sum(-(-n // 64) for n in seg) for seg in shards)  # last blocks short: 12
+    assert param_gather([bucket], cluster, opt, 4)[1] == 2 * (4 * wire // 8 + 4 * blocks)
     assert param_gather([bucket], cluster, opt, None)[1] == 2 * 700 * 2

@@ -158,7 +158,7 @@ def test_c_kernel_equals_reference_on_both_grids(values, prev, dtype, bits, bloc
     out = {}
     for impl in ("torch", "cpu"):
         table = kernels.block_table(layout, "cpu")
-        err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, "cpu")
+        err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, "cpu", table.spans)
         err.set(layout.to_padded(e0, torch.float32))
         payload, scales, count, _, _ = kernels.compress_bucket(
             impl, g, table, err, bits=bits, beta=beta, reset=False, want_err_sq=False, grid=grid)

@@ -6,6 +6,7 @@ import torch
 
 from loco_megatron import weight_difference as wd
 from loco_megatron.accounting import param_gather_bytes_per_step
+from loco_megatron.kernels import block_table
 from loco_megatron.layout import BucketLayout
 
 LAYOUT = BucketLayout.build(3 * 700, 3, 64, (123, 1000, 1555))
@@ -15,7 +16,8 @@ def _bound(new, held, scales, layout, rank):
     """Elementwise bound: half the block's step + half an ulp of held's dtype + two fp32
     roundings (of ``new - held`` and of ``held + deQ``)."""
     lay = wd.shard_layouts(layout)[rank]
-    half = (scales[:lay.padded_shard // lay.block_size] / 2).repeat_interleave(lay.block_size)
+    spans = block_table(lay, "cpu").spans
+    half = (scales[:lay.blocks_per_shard] / 2).repeat_interleave(spans)
     step = torch.empty(lay.shard)
     lay.from_padded_shard(half, 0, step)
     h = held.float()
@@ -80,13 +82,16 @@ def test_tensor_parallel_replicated_blocks_do_not_mix_with_neighbours():
 def test_wire_format_and_byte_formula():
     for bits in (4, 8):
         nbytes, nscales = wd.chunk_shape(LAYOUT, bits)
-        assert nbytes == LAYOUT.padded_shard * bits // 8 and nscales == LAYOUT.padded_shard // 64
+        # shard 0: parameters of 123 and 577 elements (aligned 124 + 578 = 702 codes, 2 + 10
+        # blocks of 64); shard 1: 300 + 400 (700, 5 + 7); shard 2: 155 + 545 (702, 3 + 9)
+        assert (LAYOUT.padded_shard, LAYOUT.blocks_per_shard) == (702, 12)
+        assert nbytes == 702 * bits // 8 and nscales == 12
         for r in range(LAYOUT.world):
             p, s = wd.encode("torch", torch.randn(LAYOUT.shard), torch.zeros(LAYOUT.shard),
                              LAYOUT, r, bits)
             assert (p.numel(), s.numel()) == (nbytes, nscales)
         loco, stock = param_gather_bytes_per_step(bits, [(LAYOUT, 2)])
-        assert loco == 2 * (bits * LAYOUT.padded_shard + 32 * LAYOUT.padded_shard // 64) // 8
+        assert loco == 2 * (702 * bits // 8 + 4 * 12)
         assert stock == 2 * LAYOUT.shard * 2
 
 

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from ...config import CONVERT, RESET, fingerprint, fingerprint_fields
-from ...hierarchical import INTER, INTRA, group_topology
+from ...hierarchical import INTER, INTRA, group_topology, inter_view
+from ...kernels import block_table
 from ...layout import BucketLayout
 from .. import compat
 from . import agree
@@ -47,6 +48,11 @@ from . import agree
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
+
+#: the wire layout the exact error form is saved in (``meta["wire"]``; loco_megatron/layout.py):
+#: ``packed`` (short last blocks, no padding); checkpoints without the key were saved
+#: ``padded`` (every segment padded to whole blocks) and resume through the summed form
+WIRE_FORMAT = "packed"
 
 #: fingerprint settings added after checkpoints of this format were first written, with the value
 #: those older checkpoints were saved under: a missing key reads as this value, not as a change
@@ -155,6 +161,16 @@ class OptimizerLoCo:
             out.append((INTER, (ref.key, INTER), h["nodes"] * ref.layout.padded_shard))
         return out
 
+    def spans(self, ref: BucketRef, prefix: str = "") -> torch.Tensor:
+        """The block spans (:class:`~loco_megatron.error_buffer.ErrorBuffer`) of ``ref``'s error
+        buffer ``prefix`` (``""``/``intra``: the bucket's wire layout; ``inter``: this rank's
+        inter-node partial sums, :func:`~loco_megatron.hierarchical.inter_view`)."""
+        view = ref.layout
+        if prefix == INTER:
+            topo = group_topology(self.group)
+            view = inter_view(ref.layout, topo.column(topo.local_of(self.dp_rank)))
+        return block_table(view, "cpu").spans
+
     def meta(self) -> Dict[str, object]:
         """Plain-Python description of the saved state (same on every DP rank)."""
         cfg, comp = self.state.config, self.state.compensator
@@ -163,7 +179,8 @@ class OptimizerLoCo:
         if layout is not None:  # a resume at another TP/PP/EP size resets on every rank
             extra["model_parallel"] = layout
         return {
-            **extra, "version": FORMAT_VERSION, "forms": self.forms, "dp_size": self.dp_size,
+            **extra, "version": FORMAT_VERSION, "wire": WIRE_FORMAT, "forms": self.forms,
+            "dp_size": self.dp_size,
             "hierarchical": self.hierarchy,
             "fingerprint": fingerprint(cfg),
             "buckets": {r.name: {"numel": r.bucket.grad_data.numel(),
@@ -215,19 +232,20 @@ class OptimizerLoCo:
         return apply(self, state.get("meta"), state.get("exact") or None,
                      state.get("sum") or None, source, data_file)
 
-    def _error(self, ref: BucketRef, key=None, numel=None):
-        """``ref``'s :class:`ErrorBuffer` (or the stage buffer ``key`` of ``numel`` elements),
-        created as zeros if never used."""
+    def _error(self, ref: BucketRef, key=None, numel=None, prefix: str = ""):
+        """``ref``'s :class:`ErrorBuffer` (or the stage buffer ``key`` of ``numel`` elements,
+        field prefix ``prefix``), created as zeros if never used."""
         return self.state.compensator.error_buffer(ref.key if key is None else key,
                                                    ref.error_numel if numel is None else numel,
-                                                   ref.bucket.grad_data.device)
+                                                   ref.bucket.grad_data.device,
+                                                   self.spans(ref, prefix))
 
     def exact(self, ref: BucketRef) -> Dict[str, torch.Tensor]:
         """This rank's stored error tensors for ``ref`` (live tensors, zeros if never used);
         stage buffers' fields prefixed ``intra.`` / ``inter.``."""
         return {f"{prefix}.{field}" if prefix else field: t
                 for prefix, key, numel in self.stages(ref)
-                for field, t in self._error(ref, key, numel).tensors().items()}
+                for field, t in self._error(ref, key, numel, prefix).tensors().items()}
 
     def summed_shard(self, ref: BucketRef) -> torch.Tensor:
         """Collective over the DP group (and across instances): this rank's ``sum_range`` of the
@@ -379,6 +397,8 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
     resharded, unmapped = 0, []
     saved_instances = meta.get("instances", 1)
     same_grid = saved_dp == view.dp_size and saved_instances == view.instances
+    saved_wire = meta.get("wire", "padded")
+    same_wire = saved_wire == WIRE_FORMAT
     for ref in view.buckets:
         where = f"{data_file} key {view.prefix}.{ref.name}"
         entry, reason = saved.get(ref.name), None
@@ -387,19 +407,23 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
         elif entry["numel_unpadded"] != ref.numel_unpadded or entry["params"] != ref.params():
             reason = "its parameters differ (model or --ddp-bucket-size changed)"
         if (reason is None and exact is not None and ref.name in exact and same_grid
-                and entry["error_numel"] == ref.error_numel):
+                and same_wire and entry["error_numel"] == ref.error_numel):
             counts["restored"] += 1
             for prefix, key, numel in view.stages(ref):
                 comp.restore_error(key, _stage_fields(exact[ref.name], prefix), numel,
                                    ref.bucket.grad_data.device,
-                                   where=where + ".exact" + (f".{prefix}" if prefix else ""))
+                                   where=where + ".exact" + (f".{prefix}" if prefix else ""),
+                                   spans=view.spans(ref, prefix))
         elif reason is None and sums is not None and ref.name in sums:
             _restore_from_sum(view, ref, sums[ref.name], where)
             resharded += 1
             counts["restored"] += 1
         else:
             reset(ref)
-            unmapped.append(f"{ref.name} ({reason or 'no usable error form saved'})")
+            if reason is None:
+                reason = ("no usable error form saved" if same_wire else
+                          f"saved in the {saved_wire} wire format, without a summed form")
+            unmapped.append(f"{ref.name} ({reason})")
     if unmapped:
         note(logging.WARNING, f"LoCo: bucket layout of {source} cannot be mapped for "
                               f"{', '.join(unmapped)}; those error buffers reset to zero")
@@ -407,6 +431,7 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
         why = (f"DP size changed {saved_dp} -> {view.dp_size}" if saved_dp != view.dp_size else
                f"distributed-optimizer instances changed {saved_instances} -> {view.instances}"
                if saved_instances != view.instances else
+               f"wire format changed {saved_wire} -> {WIRE_FORMAT}" if not same_wire else
                f"bucket padding changed at DP size {saved_dp} (e.g. "
                f"--ddp-pad-buckets-for-high-nccl-busbw)")
         note(logging.WARNING, f"LoCo: {why}: {resharded} error buffers resharded from the "
@@ -453,5 +478,6 @@ def _restore_from_sum(view: OptimizerLoCo, ref: BucketRef, values, where: str) -
     shard[:stop - start] = values.to(device, torch.float32)
     full = torch.zeros(ref.layout.numel, dtype=torch.float32, device=device)
     full[start:start + ref.layout.shard] = shard
-    view.state.compensator.set_error(ref.key, ref.layout.to_padded(full, torch.float32))
+    view.state.compensator.set_error(ref.key, ref.layout.to_padded(full, torch.float32),
+                                     view.spans(ref))
 
