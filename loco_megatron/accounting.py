@@ -20,7 +20,8 @@ def expected_bytes_per_step(config: LoCoConfig,
     Args:
         buckets: ``(layout, grad element size in bytes)`` per bucket.
     """
-    loco = sum((lay.world - 1) * lay.wire_bytes_per_peer(config.bits) for lay, _ in buckets)
+    loco = sum((lay.world - 1) * (lay.wire_bytes_per_peer(config.bits)
+                                  + lay.exact_bytes_per_peer(elem)) for lay, elem in buckets)
     stock = sum((lay.world - 1) * lay.shard * elem for lay, elem in buckets)
     return loco, stock
 
@@ -106,7 +107,8 @@ def stage_error_bytes(config: LoCoConfig, M: int, L: int, lay: BucketLayout) -> 
 def _rebuilt(lay: BucketLayout, block_size: int) -> BucketLayout:
     """``lay`` cut at the same parameter and shard boundaries, blocks of ``block_size``."""
     bounds = {x for segs in lay.segments for s, _, n in segs for x in (s, s + n)}
-    return BucketLayout.build(lay.numel, lay.world, block_size, bounds)
+    exact = [(s, s + n) for segs in lay.exact_segments for s, _, n in segs]
+    return BucketLayout.build(lay.numel, lay.world, block_size, bounds, exact)
 
 
 def check_wire_not_above_stock(config: LoCoConfig,

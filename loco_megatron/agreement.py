@@ -42,6 +42,8 @@ def describe(config: LoCoConfig, key: Hashable, layout: Optional[BucketLayout],
     cuts = repr(layout.segments).encode()
     out = {**out, "bucket": str(key), **{name: getattr(config, name) for name in SHARED_SETTINGS},
            "padded_shard": layout.padded_shard, "block_cuts_crc32": zlib.crc32(cuts)}
+    if layout.exact_shard:  # --loco-full-precision-1d: the full-precision lane's segments
+        out["exact_lane_crc32"] = zlib.crc32(repr(layout.exact_segments).encode())
     if config.hierarchical:  # the node topology sets both stages' split sizes on every rank
         out["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE")
     return out

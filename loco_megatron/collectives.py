@@ -11,6 +11,11 @@ docs/architecture.md (data flow of one bucket). NCCL and gloo cannot sum 4-bit c
 3. dequantize the received chunks, sum them in fp32 and write the result into ``output`` in its
    own dtype (divided by the world size for ``ReduceOp.AVG``).
 
+With ``--loco-full-precision-1d`` the layout's exact segments (1-D parameters) skip steps 1-3:
+they are gathered into a lane of the gradient's dtype, sent by a third ``all_to_all_single``
+issued with the other two, and summed in fp32 in rank order (like megatron's
+``reduce_scatter_with_fp32_accumulation``); with 2 ranks that is the stock value bit for bit.
+
 Steps 1 and 3 are one fused pass each (:mod:`loco_megatron.kernels`: Triton on CUDA tensors, C
 on CPU tensors, the torch reference otherwise or with ``--loco-kernels torch``).
 
@@ -203,24 +208,39 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     compress_timer.stop()
     recv_payload = torch.empty_like(payload)
     recv_scales = torch.empty_like(scales)
+    lane = lane_out = None
+    if layout.exact_shard:  # --loco-full-precision-1d: a full-precision lane, same all-to-all
+        lane = layout.to_lane(input.view(-1))
+        lane_out = torch.empty_like(lane)
     comm_timer.start()
     works = [
         dist.all_to_all_single(recv_payload, payload, group=group, async_op=async_op),
         dist.all_to_all_single(recv_scales, scales, group=group, async_op=async_op),
     ]
+    if lane is not None:  # (a reduce_scatter_tensor here would join megatron's coalescing)
+        works.append(dist.all_to_all_single(lane_out, lane, group=group, async_op=async_op))
     comm_timer.stop()
     if stats is not None:
         sent = (payload.numel() * payload.element_size() + scales.numel() * 4) // world
         stats.calls += 1
-        stats.bytes_sent += sent * (world - 1)
+        stats.bytes_sent += (sent + layout.exact_bytes_per_peer(input.element_size())) * (world - 1)
         stats.stock_bytes += shard * input.element_size() * (world - 1)
 
     def finish():
         decompress_timer.start()
         impl = kernels.select(cfg.kernels, output)
         table = kernels.block_table(layout, output.device if impl != "torch" else "cpu")
-        kernels.decompress_shard(impl, recv_payload, recv_scales, table, dist.get_rank(group),
+        rank = dist.get_rank(group)
+        kernels.decompress_shard(impl, recv_payload, recv_scales, table, rank,
                                  bits=cfg.bits, average=op == dist.ReduceOp.AVG, out=output)
+        if lane_out is not None:  # after the decompress, which may rewrite the whole shard
+            rows = lane_out.view(world, layout.exact_shard)
+            exact = rows[0].to(torch.float32, copy=True)
+            for r in range(1, world):  # fp32 sum in rank order
+                exact += rows[r]
+            if op == dist.ReduceOp.AVG:
+                exact /= torch.full((), world, dtype=torch.float32, device=exact.device)
+            layout.from_lane_shard(exact, rank, output.view(-1))
         decompress_timer.stop()
 
     return launch(works, finish, comm_timer, async_op)

@@ -161,6 +161,16 @@ class LoCoConfig:
     fp32 or bf16) and sums in fp32; 8 sends compensated 8-bit codes with their own error
     buffer. Only used with ``--loco-hierarchical``."""
 
+    full_precision_1d: bool = _setting(
+        False, "--loco-full-precision-1d",
+        "reduce 1-D parameters' gradients (norms, biases) at full precision",
+        shared=True, checkpoint=RESET)
+    """Send the gradients of 1-D parameters (LayerNorm/RMSNorm weights, biases) at full
+    precision (``--loco-full-precision-1d``), as the authors' DeepSpeed LoCo path does: their
+    segments leave the compressed layout and go through megatron's own reduce-scatter of the
+    gradient buffer's dtype, in a lane of their own (loco_megatron/layout.py); no error buffer
+    for them. Flat mode only (refused with ``--loco-hierarchical``)."""
+
     param_bits: Optional[int] = _setting(
         None, "--loco-param-bits",
         "bits per weight difference in the parameter all-gather: 4 or 8",
@@ -228,6 +238,14 @@ class LoCoConfig:
             raise LoCoConfigError(
                 f"{flag('intra_node_bits')} {self.intra_node_bits} only applies to the two-stage "
                 f"reduce-scatter: add {flag('hierarchical')}, or drop {flag('intra_node_bits')}.")
+        if not isinstance(self.full_precision_1d, bool):
+            raise LoCoConfigError(
+                f"{flag('full_precision_1d')} takes no value (a switch; 'full-precision-1d: "
+                f"true' in YAML), got {self.full_precision_1d!r}.")
+        if self.full_precision_1d and self.hierarchical:
+            raise LoCoConfigError(
+                f"{flag('full_precision_1d')} is not supported with {flag('hierarchical')} (its "
+                f"two stages have no full-precision lane); drop one of them.")
         if self.param_bits is not None and self.param_bits not in (COMPRESSED_BITS
                                                                    + FULL_PRECISION_BITS):
             raise LoCoConfigError(

@@ -57,6 +57,10 @@ class BucketLayout:
             up to :data:`ALIGN`).
         segments: per shard, a tuple of :data:`Segment` (offsets absolute in bucket / wire).
         blocks_per_shard: blocks per rank on the wire (the largest shard's; scales per rank).
+        exact_segments: per shard, the :data:`Segment` s sent at full precision instead
+            (``--loco-full-precision-1d``: 1-D parameters), offsets absolute in the bucket and
+            in the exact lane ``[world * exact_shard]`` (not compressed, no blocks).
+        exact_shard: lane elements per rank (the largest shard's; 0 without exact segments).
     """
 
     numel: int
@@ -65,11 +69,15 @@ class BucketLayout:
     padded_shard: int
     segments: Tuple[Tuple[Segment, ...], ...]
     blocks_per_shard: int
+    exact_segments: Tuple[Tuple[Segment, ...], ...] = ()
+    exact_shard: int = 0
 
     @classmethod
     def build(cls, numel: int, world: int, block_size: int,
-              boundaries: Iterable[int] = ()) -> "BucketLayout":
-        """Cut at shard boundaries and at the given bucket-local ``boundaries``.
+              boundaries: Iterable[int] = (), exact: Iterable[Tuple[int, int]] = ()
+              ) -> "BucketLayout":
+        """Cut at shard boundaries and at the given bucket-local ``boundaries``; the parts of
+        the bucket-local ``[start, end)`` ranges ``exact`` go to the full-precision lane.
 
         Raises:
             ValueError: ``numel`` not divisible by ``world``.
@@ -77,12 +85,24 @@ class BucketLayout:
         if numel % world:
             raise ValueError(f"bucket of {numel} elements does not split over {world} ranks")
         shard = numel // world
+        exact = sorted((max(0, s), min(numel, e)) for s, e in exact if min(numel, e) > max(0, s))
         cuts = sorted({0, numel, *(r * shard for r in range(world)),
-                       *(b for b in boundaries if 0 < b < numel)})
+                       *(b for b in boundaries if 0 < b < numel),
+                       *(b for se in exact for b in se if 0 < b < numel)})
         per_shard = [[] for _ in range(world)]
+        lane = [[] for _ in range(world)]
         for start, end in zip(cuts[:-1], cuts[1:]):
             if shard:
-                per_shard[start // shard].append((start, end - start))
+                inside = any(s <= start and end <= e for s, e in exact)
+                (lane if inside else per_shard)[start // shard].append((start, end - start))
+        exact_shard = max((sum(n for _, n in segs) for segs in lane), default=0)
+        exact_segments = []
+        for r, segs in enumerate(lane):
+            dst, table = r * exact_shard, []
+            for src, n in segs:
+                table.append((src, dst, n))
+                dst += n
+            exact_segments.append(tuple(table))
         padded_shard = max((sum(aligned(n) for _, n in segs) for segs in per_shard), default=0)
         nbs = max((sum(-(-n // block_size) for _, n in segs) for segs in per_shard), default=0)
         segments = []
@@ -92,7 +112,10 @@ class BucketLayout:
                 table.append((src, dst, n))
                 dst += aligned(n)
             segments.append(tuple(table))
-        return cls(numel, world, block_size, padded_shard, tuple(segments), nbs)
+        if not exact_shard:
+            return cls(numel, world, block_size, padded_shard, tuple(segments), nbs)
+        return cls(numel, world, block_size, padded_shard, tuple(segments), nbs,
+                   tuple(exact_segments), exact_shard)
 
     @property
     def shard(self) -> int:
@@ -107,7 +130,7 @@ class BucketLayout:
     @property
     def is_identity(self) -> bool:
         """True when the wire layout is the bucket itself (no copy needed)."""
-        return self.padded_shard == self.shard and all(
+        return not self.exact_shard and self.padded_shard == self.shard and all(
             src == dst for segs in self.segments for src, dst, _ in segs)
 
     def shard_blocks(self, rank: int) -> Tuple[Block, ...]:
@@ -119,6 +142,31 @@ class BucketLayout:
         """Bytes one rank sends each peer per bucket: ``bits * P / 8`` of codes, ``4 * K`` of
         scales."""
         return self.padded_shard * bits // 8 + 4 * self.blocks_per_shard
+
+    def exact_bytes_per_peer(self, element_size: int) -> int:
+        """Bytes of the full-precision lane one rank sends each peer per bucket."""
+        return self.exact_shard * element_size
+
+    def full(self) -> "BucketLayout":
+        """This layout with no full-precision lane (every segment in blocks): the parameter
+        all-gather's (``--loco-param-bits`` sends every parameter's weight difference)."""
+        return _full(self) if self.exact_shard else self
+
+    def to_lane(self, x: torch.Tensor) -> torch.Tensor:
+        """Bucket ``[numel]`` -> new lane ``[world * exact_shard]`` of the exact segments, in
+        ``x``'s dtype (zeros where a shorter shard ends)."""
+        out = torch.zeros(self.world * self.exact_shard, dtype=x.dtype, device=x.device)
+        for segs in self.exact_segments:
+            for src, dst, n in segs:
+                out[dst:dst + n] = x[src:src + n]
+        return out
+
+    def from_lane_shard(self, lane: torch.Tensor, rank: int, out: torch.Tensor) -> None:
+        """Rank ``rank``'s lane shard ``[exact_shard]`` into its exact segments of ``out``
+        ``[shard]`` (cast to ``out.dtype``)."""
+        base_src, base_dst = rank * self.shard, rank * self.exact_shard
+        for src, dst, n in self.exact_segments[rank]:
+            out[src - base_src:src - base_src + n] = lane[dst - base_dst:dst - base_dst + n]
 
     def to_padded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Bucket ``[numel]`` -> new wire-layout tensor ``[world * padded_shard]`` in ``dtype``
@@ -145,6 +193,13 @@ class BucketLayout:
         """Extra code elements on the wire (alignment, equal shards), as a fraction of
         ``numel``."""
         return (self.world * self.padded_shard - self.numel) / self.numel if self.numel else 0.0
+
+
+@lru_cache(maxsize=256)
+def _full(layout: BucketLayout) -> BucketLayout:
+    bounds = {x for part in (layout.segments, layout.exact_segments) for segs in part
+              for s, _, n in segs for x in (s, s + n)}
+    return BucketLayout.build(layout.numel, layout.world, layout.block_size, bounds)
 
 
 @lru_cache(maxsize=1024)

@@ -96,8 +96,11 @@ class LoCoState:
         layout = self.layouts.get(bucket.loco_key)
         numel = bucket.grad_data.numel()
         if layout is None or (layout.numel, layout.world) != (numel, world):
-            bounds = {i for start_end in bucket.loco_param_ranges.values() for i in start_end}
-            layout = BucketLayout.build(numel, world, self.config.block_size, bounds)
+            ranges = bucket.loco_param_ranges
+            bounds = {i for start_end in ranges.values() for i in start_end}
+            exact = ([se for p, se in ranges.items() if p.dim() == 1]
+                     if self.config.full_precision_1d else [])  # --loco-full-precision-1d
+            layout = BucketLayout.build(numel, world, self.config.block_size, bounds, exact)
             self.layouts[bucket.loco_key] = layout
         return layout
 
@@ -184,9 +187,11 @@ def _wrap_ddp_init(orig):
         if state.param_active:
             for group, bucket, layout in compressed:
                 state.param_sync.register(bucket, group.intra_distributed_optimizer_instance_group,
-                                          layout.world, compat.param_gather_rank(group), layout)
+                                          layout.world, compat.param_gather_rank(group),
+                                          layout.full())  # every parameter's difference
             log_param_gather(chunk, state.config, [
-                (layout, bucket.param_data.element_size()) for _, bucket, layout in compressed])
+                (layout.full(), bucket.param_data.element_size())
+                for _, bucket, layout in compressed])
         log_buffers(chunk, state.config, buffers)
         if not state.active:
             return

@@ -121,6 +121,13 @@ def log_buffers(chunk: int, config: LoCoConfig, buffers: List[BufferReport]) -> 
             print_rank_0(head + f"reduced over its {group} at full precision ({why})")
         else:
             loco, stock, detail = wire_figures(config, buf.compressed)
+            exact = sum(lay.exact_shard for _, lay, _ in buf.compressed)
+            if exact:  # --loco-full-precision-1d
+                lane = sum((lay.world - 1) * lay.exact_bytes_per_peer(elem)
+                           for _, lay, elem in buf.compressed)
+                detail = (f"{detail}; " if detail else "") + (
+                    f"1-D parameters at full precision: {exact} elements per rank, {lane} of the "
+                    f"bytes")
             print_rank_0(
                 head + f"reduce-scattered over its {group}, compressed at {config.bits} bits"
                 + (" (hierarchical)" if config.hierarchical else "")

@@ -5,9 +5,10 @@ start-up line's bytes stay below stock's at every block size and equal what the 
 handed; the int8 error state stays near 1 byte per gradient element."""
 
 import pytest
+import torch
 
 from tests.helpers.multiproc import run_ranks
-from .worker_tiny_wire import tiny_wire_worker
+from .worker_tiny_wire import full_precision_1d_worker, tiny_wire_worker
 
 BLOCKS = (2, 6, 256, 65536)
 
@@ -37,3 +38,29 @@ def test_error_state_about_one_byte_per_element(tiny, block):
         r = res[block]
         assert r["error_bytes"] <= 1.1 * r["elements"], (r["error_bytes"], r["elements"])
         assert r["error_bytes"] >= r["elements"]  # one int8 code per gradient element at least
+
+
+def test_full_precision_1d_is_stock_for_1d_parameters_with_exact_bytes():
+    """--loco-full-precision-1d on 2 ranks: every 1-D parameter's reduced gradient equals
+    stock's bit for bit (2 ranks: the fp32 sum of two is the same in any order), the other
+    elements are compressed (they differ), and the start-up line's bytes are exactly what the
+    all-to-alls (codes, scales and the fp32 lane) were handed."""
+    results = run_ranks(full_precision_1d_worker, 2)
+    for rank, res in enumerate(results):
+        stock, fp = res["stock"], res["fp1d"]
+        covered = 0
+        for s_shard, f_shard, ranges in zip(stock["shards"], fp["shards"], fp["one_d"]):
+            mask = torch.zeros(s_shard.numel(), dtype=torch.bool)
+            for start, end in ranges:
+                mask[max(start, 0):max(min(end, s_shard.numel()), 0)] = True
+            covered += int(mask.sum())
+            assert torch.equal(s_shard[mask], f_shard[mask]), rank
+            assert not torch.equal(s_shard[~mask], f_shard[~mask])  # the rest is compressed
+        assert covered > 0  # this rank's shards hold 1-D parameters
+        codes = [b for d, b in fp["handed"] if d == "torch.uint8"]
+        fp32 = [b for d, b in fp["handed"] if d == "torch.float32"]
+        assert codes and len(fp32) == 2 * len(codes)  # per bucket: scales and the fp32 lane
+        assert fp["wire"] == sum(b for _, b in fp["handed"])
+    line = results[0]["fp1d"]
+    assert line["loco"] == line["wire"] < line["stock"], line["line"]
+    assert any("1-D parameters at full precision" in x for x in line["buffer_lines"])

@@ -96,3 +96,63 @@ def tiny_wire_worker(rank, world, blocks):
             dist.all_to_all_single = real
             loco_megatron.uninstall()
     return out
+
+
+def full_precision_1d_worker(rank, world):
+    """One step of the tiny GPT, stock and with ``--loco-bits 4 --loco-full-precision-1d``:
+    this rank's reduced gradient shard of every bucket, the 1-D parameters' ranges in it, the
+    start-up line's bytes and what the all-to-alls were handed (codes and scales, and the
+    fp32 lane: each call's input minus its own chunk)."""
+    import loco_megatron
+    from loco_megatron.emulation import activate
+    from megatron.core import parallel_state as ps
+
+    activate()
+    ps.initialize_model_parallel()
+    real_a2a = dist.all_to_all_single
+    handed = []  # per all-to-all: (dtype, bytes sent to the other ranks)
+
+    def a2a(output, input, *args, **kwargs):
+        handed.append((str(input.dtype), input.numel() * input.element_size() * (world - 1)
+                       // world))
+        return real_a2a(output, input, *args, **kwargs)
+
+    out = {}
+    for mode in ("stock", "fp1d"):
+        state = None
+        if mode == "fp1d":
+            state = loco_megatron.install(loco_megatron.LoCoConfig(
+                bits=4, block_size=16, full_precision_1d=True))
+        text = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(text):
+                model, opt = _build()
+            if mode == "fp1d":
+                dist.all_to_all_single = a2a
+            _step(model, opt)
+            dist.all_to_all_single = real_a2a
+            shards, one_d = [], []
+            for buf in model.buffers:
+                for bucket in buf.buckets:
+                    shard = bucket.grad_data.numel() // world
+                    shards.append(bucket.grad_data[rank * shard:(rank + 1) * shard].clone())
+                    idx = {p: buf.param_index_map[p] for p in bucket.params}
+                    one_d.append(sorted((s - bucket.offset - rank * shard,
+                                         e - bucket.offset - rank * shard)
+                                        for p, (s, e, _) in idx.items() if p.dim() == 1))
+            res = {"shards": shards, "one_d": one_d}
+            if state is not None:
+                line = next((x for x in text.getvalue().splitlines()
+                             if re.search(r"model chunk 0: \d+ buckets", x)), None)
+                res.update(line=line, wire=state.wire.bytes_sent, handed=list(handed),
+                           buffer_lines=[x for x in text.getvalue().splitlines()
+                                         if "gradient buffer" in x])
+                if line is not None:
+                    res["loco"], res["stock"] = map(int, re.search(
+                        r"(\d+) bytes/step per rank on the wire vs (\d+) stock", line).groups())
+            out[mode] = res
+        finally:
+            dist.all_to_all_single = real_a2a
+            if state is not None:
+                loco_megatron.uninstall()
+    return out

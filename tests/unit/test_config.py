@@ -200,3 +200,10 @@ def test_preflight_command_expands_config_files(tmp_path, capsys):
     assert main(["--config", str(bad)]) == 2
     assert f"--config {bad}, loco section: --loco-bits 3" in capsys.readouterr().err
     assert main(["--config", str(good), "--loco-block-size", "64"]) == 0
+
+
+def test_full_precision_1d_refused_with_hierarchical():
+    with pytest.raises(LoCoConfigError, match="--loco-full-precision-1d is not supported with "
+                                              "--loco-hierarchical"):
+        LoCoConfig(bits=4, full_precision_1d=True, hierarchical=True)
+    assert LoCoConfig(bits=4, full_precision_1d=True).full_precision_1d

@@ -91,3 +91,34 @@ def test_identity_when_aligned():
 def test_indivisible_bucket_rejected():
     with pytest.raises(ValueError, match="does not split over 3"):
         BucketLayout.build(10, 3, 4)
+
+
+def test_full_precision_lane_takes_the_exact_ranges():
+    """--loco-full-precision-1d: the given ranges leave the blocks for a lane of their own,
+    contiguous per shard and rounded up to the largest shard's; everything is covered once."""
+    lay = BucketLayout.build(1200, 3, 64, (7, 100, 101, 333, 1000), exact=[(100, 101), (333, 420)])
+    # shard 0 holds [100, 101) and [333, 400): 68 lane elements; shard 1 [400, 420): 20
+    assert lay.exact_shard == 68 and not lay.is_identity
+    assert [sum(n for *_, n in segs) for segs in lay.exact_segments] == [68, 20, 0]
+    x = torch.arange(1200, dtype=torch.float64) + 1
+    wire, lane = lay.to_padded(x, torch.float64), lay.to_lane(x)
+    assert torch.equal(torch.cat((wire[wire != 0], lane[lane != 0])).sort().values, x)
+    for r in range(3):
+        out = torch.zeros(400, dtype=torch.float64)
+        lay.from_padded_shard(wire[r * lay.padded_shard:(r + 1) * lay.padded_shard], r, out)
+        lay.from_lane_shard(lane[r * 68:(r + 1) * 68], r, out)
+        assert torch.equal(out, x[r * 400:(r + 1) * 400])
+    full = lay.full()  # the parameter all-gather's layout: every segment in blocks
+    assert full.exact_shard == 0 and full == BucketLayout.build(1200, 3, 64,
+                                                                (7, 100, 101, 333, 420, 1000))
+
+
+def test_full_precision_lane_bytes():
+    from loco_megatron.accounting import expected_bytes_per_step
+    from loco_megatron.config import LoCoConfig
+
+    lay = BucketLayout.build(1200, 3, 64, (7, 100, 101, 333, 1000), exact=[(100, 101), (333, 420)])
+    loco, stock = expected_bytes_per_step(LoCoConfig(bits=4, block_size=64), [(lay, 4)])
+    # per peer: codes of P wire elements at 4 bits, K scales, 68 fp32 lane elements
+    assert loco == 2 * (lay.padded_shard // 2 + 4 * lay.blocks_per_shard + 4 * 68)
+    assert stock == 2 * 400 * 4

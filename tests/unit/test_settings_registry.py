@@ -18,7 +18,7 @@ from loco_megatron.layout import BucketLayout
 #: a valid non-default value per field; a new field must be added here (the first test fails)
 SAMPLES = {"bits": 4, "beta": 0.5, "reset_interval": 10, "block_size": 64, "grid": "full-range",
            "error_dtype": "fp32", "start_iter": 3, "kernels": "torch", "hierarchical": True,
-           "intra_node_bits": 8, "param_bits": 8}
+           "intra_node_bits": 8, "full_precision_1d": True, "param_bits": 8}
 
 
 def test_every_field_has_a_complete_registry_entry():
@@ -45,11 +45,14 @@ def test_flags_come_from_the_registry():
         assert action.dest == f"loco_{f.name}" and action.default == f.default
         assert action.help == f"{SETTINGS[f.name].help} (default: {f.default})"
         assert FLAGS[f.name][0] == SETTINGS[f.name].flag
-    argv = []
-    for name, value in SAMPLES.items():
-        argv += [SETTINGS[name].flag] if value is True else [SETTINGS[name].flag, str(value)]
-    assert config_from_args(parser.parse_args(argv)) == LoCoConfig(**SAMPLES)
-    assert explicit_loco_flags(argv) == SAMPLES
+    # --loco-full-precision-1d is refused with --loco-hierarchical: two valid combinations
+    for leave_out in (("full_precision_1d",), ("hierarchical", "intra_node_bits")):
+        sample = {k: v for k, v in SAMPLES.items() if k not in leave_out}
+        argv = []
+        for name, value in sample.items():
+            argv += [SETTINGS[name].flag] if value is True else [SETTINGS[name].flag, str(value)]
+        assert config_from_args(parser.parse_args(argv)) == LoCoConfig(**sample)
+        assert explicit_loco_flags(argv) == sample
 
 
 def test_yaml_keys_come_from_the_registry():
@@ -71,7 +74,7 @@ def test_agreement_and_fingerprint_come_from_the_registry():
     described = agreement.describe(config, (0, 0, 0), layout, torch.zeros(256))
     assert shared <= set(described)
     assert set(fingerprint(config)) == {n for n, s in SETTINGS.items() if s.checkpoint}
-    assert fingerprint_fields(RESET) == ("bits", "block_size", "grid")
+    assert fingerprint_fields(RESET) == ("bits", "block_size", "grid", "full_precision_1d")
     assert fingerprint_fields(CONVERT) == ("error_dtype",)
 
 

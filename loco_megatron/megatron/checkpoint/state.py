@@ -57,7 +57,7 @@ WIRE_FORMAT = "packed"
 #: fingerprint settings added after checkpoints of this format were first written, with the value
 #: those older checkpoints were saved under: a missing key reads as this value, not as a change
 #: (a RESET or CONVERT setting added to the registry later needs its entry here)
-LEGACY_FINGERPRINT = {"grid": "symmetric"}
+LEGACY_FINGERPRINT = {"grid": "symmetric", "full_precision_1d": False}
 
 
 def saved_setting(saved_fp: dict, name: str):
