@@ -102,14 +102,17 @@ class Compensator:
             buf = ErrorBuffer(numel, self.config.block_size, self.config.error_dtype, dtype, device,
                               spans)
             self.errors[key] = buf
-        elif buf.numel == numel and buf.device != torch.device(device):
-            buf.to_(device)  # restored from a checkpoint on another device
-        elif buf.numel != numel:
+            return buf
+        if buf.numel != numel or (spans is not None and spans is not buf.host_spans and (
+                spans.numel() != buf.nblocks or not torch.equal(spans, buf.host_spans))):
+            blocks = "" if spans is None else f" in {spans.numel()} blocks"
             raise RuntimeError(
-                f"LoCo error buffer {key} holds {buf.numel} elements but the bucket now has "
-                f"{numel}: the gradient-buffer layout changed after install (bucket size, DP size "
-                f"or model changed); call loco_megatron.uninstall() and install() again."
-            )
+                f"LoCo error buffer {key} holds {buf.numel} elements in {buf.nblocks} blocks but "
+                f"the bucket now has {numel}{blocks}: the gradient-buffer layout changed after "
+                f"install (bucket size, DP size or model changed); call "
+                f"loco_megatron.uninstall() and install() again.")
+        if buf.device != torch.device(device):
+            buf.to_(device)  # restored from a checkpoint on another device
         return buf
 
     def compress(self, key: Hashable, g: torch.Tensor, layout: Optional[BucketLayout] = None,

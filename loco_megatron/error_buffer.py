@@ -50,6 +50,8 @@ class ErrorBuffer:
             spans = torch.full((numel // block_size,), block_size, dtype=torch.int64)
         elif int(spans.sum()) != numel:
             raise ValueError(f"block spans sum to {int(spans.sum())}, not {numel} elements")
+        #: the spans on the host: what a later caller's layout is compared with
+        self.host_spans = spans.cpu()
         self.spans = spans.to(device=device, dtype=torch.int64)
         if storage == "int8":
             self.codes = torch.zeros(numel, dtype=torch.int8, device=device)

@@ -91,9 +91,9 @@ def _build(view: ChunkView) -> BlockTable:
 
 @lru_cache(maxsize=512)
 def _cached(view: ChunkView, device: str) -> BlockTable:
-    t = _build(view)
     if device == "cpu":
-        return t
+        return _build(view)
+    t = _cached(view, "cpu")  # one spans tensor per view, whatever the device
     return BlockTable(view, t.src.to(device), t.off.to(device), t.length.to(device), t.spans)
 
 

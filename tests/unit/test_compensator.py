@@ -158,3 +158,17 @@ def test_int8_storage_is_about_one_byte_per_element():
 def test_compensator_refuses_full_precision_config():
     with pytest.raises(ValueError, match="bits 4 or 8"):
         Compensator(LoCoConfig(bits=16))
+
+
+def test_same_elements_other_blocks_is_a_layout_change():
+    """Short blocks: two layouts of 8 wire elements, 2 and 4 blocks. Reusing the buffer of one
+    for the other would write scales past its end (C kernel): refused like any layout change."""
+    from loco_megatron.layout import BucketLayout
+
+    a, b = BucketLayout.build(8, 1, 4), BucketLayout.build(8, 1, 4, (2, 4, 6))
+    assert a.padded_shard == b.padded_shard and a.nblocks != b.nblocks
+    comp = Compensator(LoCoConfig(bits=4, block_size=4))
+    comp.compress("k", torch.randn(8), a)
+    comp.compress("k", torch.randn(8), a)  # the same layout again: fine
+    with pytest.raises(RuntimeError, match="layout changed after install"):
+        comp.compress("k", torch.randn(8), b)
