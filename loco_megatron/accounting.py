@@ -8,8 +8,7 @@ megatron): used by the start-up lines (:mod:`loco_megatron.megatron.report`), th
 import dataclasses
 from typing import List, Tuple
 
-from .config import LoCoConfig, LoCoConfigError
-from .config import MAX_BLOCK_SIZE
+from .config import MAX_BLOCK_SIZE, LoCoConfig, LoCoConfigError
 from .layout import BucketLayout
 
 

@@ -36,6 +36,15 @@ import torch
 from .quantization import dequantize_spans, pack_codes, quantize_spans, unpack_codes
 
 
+def sum_in_rank_order(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` ``[world, n]`` -> a new ``[n]`` in ``dtype``: row 0 + row 1 + ... in that order
+    (the fused kernels' order: the same sum on every rank, whatever the collective)."""
+    total = rows[0].to(dtype, copy=True)
+    for r in range(1, rows.shape[0]):
+        total += rows[r]
+    return total
+
+
 def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symmetric"):
     """Steps 0-3 for one bucket: reset, compensate, quantize, error update.
 
@@ -98,10 +107,7 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
     world, nbs, P = table.world, table.blocks_per_shard, table.padded_shard
     spans = table.spans[rank * nbs:(rank + 1) * nbs].repeat(world)  # each sender's chunk
     chunks = dequantize_spans(unpack_codes(payload, bits), scales, spans, work)
-    rows = chunks.view(world, P)
-    reduced = rows[0].clone()
-    for r in range(1, world):  # in rank order, as the fused kernels sum
-        reduced += rows[r]
+    reduced = sum_in_rank_order(chunks.view(world, P), work)
     if average:  # by a tensor: CUDA divides by a Python number through its reciprocal
         reduced /= torch.full((), world, dtype=work, device=reduced.device)
     table.layout.from_wire_chunk(reduced, rank, out.view(-1))

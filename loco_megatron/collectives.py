@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .algorithm import sum_in_rank_order
 from .compensator import Compensator
 from .layout import BucketLayout
 
@@ -234,10 +235,7 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         kernels.decompress_shard(impl, recv_payload, recv_scales, table, rank,
                                  bits=cfg.bits, average=op == dist.ReduceOp.AVG, out=output)
         if lane_out is not None:  # after the decompress, which may rewrite the whole shard
-            rows = lane_out.view(world, layout.exact_shard)
-            exact = rows[0].to(torch.float32, copy=True)
-            for r in range(1, world):  # fp32 sum in rank order
-                exact += rows[r]
+            exact = sum_in_rank_order(lane_out.view(world, layout.exact_shard), torch.float32)
             if op == dist.ReduceOp.AVG:
                 exact /= torch.full((), world, dtype=torch.float32, device=exact.device)
             layout.from_lane_shard(exact, rank, output.view(-1))

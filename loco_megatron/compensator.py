@@ -21,7 +21,8 @@ import torch
 
 from . import kernels
 from .config import LoCoConfig
-from .error_buffer import STORAGE_FIELDS, ErrorBuffer, decode_entry, validate_entry
+from .error_buffer import (STORAGE_FIELDS, ErrorBuffer, decode_entry, uniform_spans,
+                           validate_entry)
 from .layout import BucketLayout
 
 __all__ = ["Compensator", "CompensatorStats", "ErrorBuffer", "STORAGE_FIELDS", "decode_entry",
@@ -239,8 +240,7 @@ class Compensator:
             ValueError: missing field, wrong dtype or element count; the message names ``where``.
         """
         if spans is None:
-            spans = torch.full((numel // self.config.block_size,), self.config.block_size,
-                               dtype=torch.int64)
+            spans = uniform_spans(numel, self.config.block_size)
         storage = validate_entry(entry, numel, spans.numel(), where)
         dtype = entry["values"].dtype if storage == "fp32" else torch.float32
         work = torch.float64 if dtype == torch.float64 else torch.float32

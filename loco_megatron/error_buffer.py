@@ -44,10 +44,7 @@ class ErrorBuffer:
                  spans: Optional[torch.Tensor] = None):
         self.numel, self.block_size, self.storage, self.dtype = numel, block_size, storage, dtype
         if spans is None:
-            if numel % block_size:
-                raise ValueError(f"an error buffer of {numel} elements needs its block spans "
-                                 f"(not a multiple of block {block_size})")
-            spans = torch.full((numel // block_size,), block_size, dtype=torch.int64)
+            spans = uniform_spans(numel, block_size)
         elif int(spans.sum()) != numel:
             raise ValueError(f"block spans sum to {int(spans.sum())}, not {numel} elements")
         #: the spans on the host: what a later caller's layout is compared with
@@ -120,6 +117,18 @@ class ErrorBuffer:
     def nbytes(self) -> int:
         """Bytes held in memory by this buffer."""
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def uniform_spans(numel: int, block_size: int) -> torch.Tensor:
+    """int64 spans of ``numel / block_size`` whole blocks (a layout without short blocks).
+
+    Raises:
+        ValueError: ``numel`` not a multiple of ``block_size``.
+    """
+    if numel % block_size:
+        raise ValueError(f"an error buffer of {numel} elements needs its block spans "
+                         f"(not a multiple of block {block_size})")
+    return torch.full((numel // block_size,), block_size, dtype=torch.int64)
 
 
 def validate_entry(entry, numel: int, nblocks: int, where: str) -> str:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import kernels
+from .algorithm import sum_in_rank_order
 from .collectives import (TIMER_NAMES, WireStats, checked_layout, compensated_reduce_scatter,
                           launch, step_timer)
 from .compensator import Compensator
@@ -257,10 +258,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         impl = kernels.select(cfg.kernels, output)
         table_device = output.device if impl != "torch" else "cpu"
         if cfg.intra_node_bits == 16:
-            rows = recv[0].view(L, M * P)
-            partial = rows[0].to(torch.float32, copy=True)
-            for k in range(1, L):  # fixed rank order
-                partial += rows[k]
+            partial = sum_in_rank_order(recv[0].view(L, M * P), torch.float32)
         else:
             partial = torch.empty(M * P, dtype=torch.float32, device=output.device)
             table = kernels.block_table(_intra_view(layout, column, L), table_device)

@@ -155,29 +155,20 @@ class BucketLayout:
     def to_lane(self, x: torch.Tensor) -> torch.Tensor:
         """Bucket ``[numel]`` -> new lane ``[world * exact_shard]`` of the exact segments, in
         ``x``'s dtype (zeros where a shorter shard ends)."""
-        out = torch.zeros(self.world * self.exact_shard, dtype=x.dtype, device=x.device)
-        for segs in self.exact_segments:
-            for src, dst, n in segs:
-                out[dst:dst + n] = x[src:src + n]
-        return out
+        return _gather(self.exact_segments, self.world * self.exact_shard, x, x.dtype)
 
     def from_lane_shard(self, lane: torch.Tensor, rank: int, out: torch.Tensor) -> None:
         """Rank ``rank``'s lane shard ``[exact_shard]`` into its exact segments of ``out``
         ``[shard]`` (cast to ``out.dtype``)."""
-        base_src, base_dst = rank * self.shard, rank * self.exact_shard
-        for src, dst, n in self.exact_segments[rank]:
-            out[src - base_src:src - base_src + n] = lane[dst - base_dst:dst - base_dst + n]
+        _scatter_shard(self.exact_segments[rank], rank * self.shard, rank * self.exact_shard,
+                       lane, out)
 
     def to_padded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Bucket ``[numel]`` -> new wire-layout tensor ``[world * padded_shard]`` in ``dtype``
         (zeros where no segment lies)."""
         if self.is_identity:
             return x.to(dtype)
-        out = torch.zeros(self.world * self.padded_shard, dtype=dtype, device=x.device)
-        for segs in self.segments:
-            for src, dst, n in segs:
-                out[dst:dst + n] = x[src:src + n]
-        return out
+        return _gather(self.segments, self.world * self.padded_shard, x, dtype)
 
     def from_padded_shard(self, padded: torch.Tensor, rank: int, out: torch.Tensor) -> None:
         """Write rank ``rank``'s wire shard ``[padded_shard]`` into ``out`` ``[shard]``
@@ -185,14 +176,31 @@ class BucketLayout:
         if self.is_identity:
             out.copy_(padded)
             return
-        base_src, base_dst = rank * self.shard, rank * self.padded_shard
-        for src, dst, n in self.segments[rank]:
-            out[src - base_src:src - base_src + n] = padded[dst - base_dst:dst - base_dst + n]
+        _scatter_shard(self.segments[rank], rank * self.shard, rank * self.padded_shard, padded,
+                       out)
 
     def padding_fraction(self) -> float:
         """Extra code elements on the wire (alignment, equal shards), as a fraction of
         ``numel``."""
         return (self.world * self.padded_shard - self.numel) / self.numel if self.numel else 0.0
+
+
+def _gather(tables, size: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new ``[size]`` tensor in ``dtype`` holding ``x``'s segments at their destinations
+    (zeros elsewhere); ``tables``: per shard, ``(source, destination, length)``."""
+    out = torch.zeros(size, dtype=dtype, device=x.device)
+    for segs in tables:
+        for src, dst, n in segs:
+            out[dst:dst + n] = x[src:src + n]
+    return out
+
+
+def _scatter_shard(segs, base_src: int, base_dst: int, values: torch.Tensor,
+                   out: torch.Tensor) -> None:
+    """One shard's segments of ``values`` (destination offsets from ``base_dst``) into ``out``
+    (source offsets from ``base_src``), cast to ``out.dtype``."""
+    for src, dst, n in segs:
+        out[src - base_src:src - base_src + n] = values[dst - base_dst:dst - base_dst + n]
 
 
 @lru_cache(maxsize=256)
@@ -268,18 +276,27 @@ class ChunkView:
         """Source elements of all chunks."""
         return self.world * self.shard
 
-    def segments(self) -> List[Segment]:
-        """Every segment, chunk after chunk: ``(source offset, wire offset, length)``."""
-        base, out = self.base, []
-        unit = base.padded_shard if self.wire_order else base.shard
+    def _pieces(self):
+        """``(chunk, base shard, source offset, wire offset)`` of every base shard of every
+        chunk, in order."""
+        P = self.base.padded_shard
+        unit = P if self.wire_order else self.base.shard
         for c, chunk in enumerate(self.chunks):
             for i, r in enumerate(chunk):
-                src0, dst0 = c * self.shard + i * unit, (c * self.per_chunk + i) * base.padded_shard
-                for s, d, n in base.segments[r]:
-                    d -= r * base.padded_shard
-                    out.append((src0 + (d if self.wire_order else s - r * base.shard),
-                                dst0 + d, n))
-        return out
+                yield c, r, c * self.shard + i * unit, (c * self.per_chunk + i) * P
+
+    def _relative_segments(self, r: int):
+        """Base shard ``r``'s segments relative to its source and wire starts (the source is
+        the wire position in wire order)."""
+        base = self.base
+        for s, d, n in base.segments[r]:
+            d -= r * base.padded_shard
+            yield (d if self.wire_order else s - r * base.shard), d, n
+
+    def segments(self) -> List[Segment]:
+        """Every segment, chunk after chunk: ``(source offset, wire offset, length)``."""
+        return [(src0 + s, dst0 + d, n) for _, r, src0, dst0 in self._pieces()
+                for s, d, n in self._relative_segments(r)]
 
     def to_wire(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Source ``[numel]`` -> new wire tensor ``[world * padded_shard]`` in ``dtype`` (zeros
@@ -294,23 +311,16 @@ class ChunkView:
     def from_wire_chunk(self, values: torch.Tensor, rank: int, out: torch.Tensor) -> None:
         """Chunk ``rank``'s wire values ``[padded_shard]`` into ``out`` ``[shard]`` (cast to
         ``out.dtype``)."""
-        base, P = self.base, self.base.padded_shard
-        unit = P if self.wire_order else base.shard
-        for i, r in enumerate(self.chunks[rank]):
-            for s, d, n in base.segments[r]:
-                d -= r * P
-                src = i * unit + (d if self.wire_order else s - r * base.shard)
-                out[src:src + n] = values[i * P + d:i * P + d + n]
+        segs = [(src0 + s, dst0 + d, n) for c, r, src0, dst0 in self._pieces() if c == rank
+                for s, d, n in self._relative_segments(r)]
+        _scatter_shard(segs, rank * self.shard, rank * self.padded_shard, values, out)
 
     def blocks(self) -> List[Block]:
         """Every block, chunk after chunk: ``(source offset, wire offset, valid elements)``."""
-        base, out = self.base, []
-        unit = base.padded_shard if self.wire_order else base.shard
-        for c, chunk in enumerate(self.chunks):
-            for i, r in enumerate(chunk):
-                src0, dst0 = c * self.shard + i * unit, (c * self.per_chunk + i) * base.padded_shard
-                for s, d, n in base.shard_blocks(r):
-                    if self.wire_order:
-                        s = d if n else base.padded_shard
-                    out.append((src0 + s, dst0 + d, n))
+        out, P = [], self.base.padded_shard
+        for _, r, src0, dst0 in self._pieces():
+            for s, d, n in self.base.shard_blocks(r):
+                if self.wire_order:
+                    s = d if n else P
+                out.append((src0 + s, dst0 + d, n))
         return out
