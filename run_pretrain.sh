@@ -35,8 +35,9 @@ for a in "$@"; do
   esac
 done
 
-# Bad --loco-* values fail here, in a second, before the corpus is prepared or ranks start.
-"$PY" -m loco_megatron.cli.preflight "$@" || exit 2
+# Bad --loco-* values, and settings the ranks would refuse, fail here, in a second, before the
+# corpus is prepared or ranks start (the defaults below include --use-distributed-optimizer).
+"$PY" -m loco_megatron.cli.preflight --use-distributed-optimizer "$@" || exit 2
 
 user_data=0 loco_default=(--loco-bits 4)
 for a in "$@"; do

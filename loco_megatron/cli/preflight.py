@@ -18,13 +18,16 @@ from .flags import RaisingParser, add_loco_args, config_from_args
 from .yaml_config import expand_config_argv, load_config
 
 
-def check_megatron_args(args, config: LoCoConfig) -> None:
+def check_megatron_args(args, config: LoCoConfig, at_launch: bool = False) -> None:
     """Refuse, at start-up, Megatron settings under which LoCo would not compress.
 
     Megatron FSDP (``--use-megatron-fsdp``, ``--use-custom-fsdp`` before 0.14) and torch FSDP2
     replace megatron-core's DDP gradient buffers entirely; the others are checked as on the DDP
     config (:func:`loco_megatron.megatron.plugin.check_ddp_config`), ``--calculate-per-token-loss``
-    among them (when gradients are communicated).
+    among them (when gradients are communicated). The ranks call it with Megatron's validated
+    args; the preflight (``at_launch``) with the flags read from the command line
+    (:func:`preparse_loco_config`), where ``LOCAL_WORLD_SIZE`` (``--loco-hierarchical``) is not
+    set yet.
 
     Raises:
         LoCoConfigError: naming the conflicting flag.
@@ -39,7 +42,7 @@ def check_megatron_args(args, config: LoCoConfig) -> None:
             gradient_dp_size(args), config.param_bits)
     if not config.enabled:
         return
-    if config.hierarchical:  # LOCAL_WORLD_SIZE from the launcher, at start-up
+    if config.hierarchical and not at_launch:  # LOCAL_WORLD_SIZE from the launcher
         from ..hierarchical import local_world_size
 
         local_world_size()
@@ -98,12 +101,32 @@ def _check_fsdp(args, config: LoCoConfig) -> None:
                 f"megatron-core's DDP gradient buffers that LoCo compresses; drop one of the two.")
 
 
+#: ``(dest, flag, type, default)`` of the Megatron-LM flags :func:`check_megatron_args` reads
+#: besides the FSDP and parameter all-gather switches (megatron/training/arguments.py)
+_MEGATRON_FLAGS = (
+    ("use_distributed_optimizer", "--use-distributed-optimizer", bool, False),
+    ("ddp_reduce_scatter_with_fp32_accumulation", "--ddp-reduce-scatter-with-fp32-accumulation",
+     bool, False),
+    ("calculate_per_token_loss", "--calculate-per-token-loss", bool, False),
+    ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances", int, 1),
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size", int, 1),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", int, 1),
+    ("context_parallel_size", "--context-parallel-size", int, 1),
+    ("num_experts", "--num-experts", int, None),
+    ("expert_model_parallel_size", "--expert-model-parallel-size", int, 1),
+    ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", int, None),
+)
+
+
 def preparse_loco_config(argv) -> LoCoConfig:
-    """Read only the ``--loco-*`` flags (and the FSDP switches) from ``argv`` before Megatron's
-    slow start-up, so that bad values and FSDP fail within a second. With Megatron-LM's
-    ``--yaml-cfg FILE`` the file's LoCo settings count too (its ``loco:`` section and
-    ``loco_*`` keys, below the command line's flags, as
-    :func:`loco_megatron.cli.flags.config_from_args` reads them after Megatron's ``load_yaml``).
+    """Read the ``--loco-*`` flags and the Megatron-LM flags LoCo's refusals depend on from
+    ``argv`` before Megatron's slow start-up, and refuse there, with the ranks' own line, what
+    the ranks would refuse (:func:`check_megatron_args`), within a second. The DP size comes
+    from ``WORLD_SIZE`` when the launcher set it (the ranks), else counts as more than one (a
+    data-parallel job: what LoCo is for). With Megatron-LM's ``--yaml-cfg FILE`` the file's
+    settings count too (its ``loco:`` section and ``loco_*`` keys, below the command line's
+    flags, as :func:`loco_megatron.cli.flags.config_from_args` reads them after Megatron's
+    ``load_yaml``, and its Megatron keys).
 
     Raises:
         LoCoConfigError: naming the flag (or the ``--yaml-cfg`` file and key).
@@ -111,6 +134,11 @@ def preparse_loco_config(argv) -> LoCoConfig:
     parser = add_loco_args(RaisingParser(add_help=False, allow_abbrev=False))
     for attr, flag in dict(_FSDP_FLAGS + _PARAM_GATHER_FLAGS).items():
         parser.add_argument(flag, dest=attr, action="store_true")
+    for attr, flag, kind, default in _MEGATRON_FLAGS:
+        if kind is bool:
+            parser.add_argument(flag, dest=attr, action="store_true")
+        else:
+            parser.add_argument(flag, dest=attr, type=int, default=default)
     parser.add_argument("--yaml-cfg", dest="yaml_cfg", default=None)
     known, _ = parser.parse_known_args(argv)
     if known.yaml_cfg is not None:
@@ -118,11 +146,30 @@ def preparse_loco_config(argv) -> LoCoConfig:
         # the file may hold a yaml_cfg key itself (Megatron's load_yaml overwrites it)
         config = config_from_args(SimpleNamespace(**{**{str(k): v for k, v in data.items()},
                                                      "yaml_cfg": known.yaml_cfg}), argv)
+        known = SimpleNamespace(**{**vars(known), **{str(k): v for k, v in data.items()
+                                                     if hasattr(known, str(k))}})
     else:
         config = config_from_args(known)
     _check_fsdp(known, config)
     _check_param_gather(known, config)
+    check_megatron_args(_with_dp_size(known), config, at_launch=True)
     return config
+
+
+def _with_dp_size(args):
+    """``args`` with ``world_size`` and ``data_parallel_size`` from ``WORLD_SIZE`` (set by
+    torchrun), as Megatron derives them; unchanged when it is not set."""
+    import os
+
+    world = os.environ.get("WORLD_SIZE", "")
+    if not world.isdigit():
+        return args
+    model = 1
+    for attr in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size"):
+        model *= int(getattr(args, attr, 1) or 1)
+    return SimpleNamespace(**{**vars(args), "world_size": int(world),
+                              "data_parallel_size": max(1, int(world) // model)})
 
 
 def main(argv=None) -> int:

@@ -292,6 +292,13 @@ def supports_uneven_sharded_tensors() -> bool:
     return hasattr(dist_checkpointing_mapping().ShardedTensor, "has_regular_grid")
 
 
+def dist_checkpointing_serialization():
+    """``megatron.core.dist_checkpointing.serialization``: its ``load`` reads the checkpoint's
+    keys through the module global ``load_sharded_metadata`` for the strict-load check
+    (``StrictHandling``; the same in 0.13-0.19)."""
+    return importlib.import_module("megatron.core.dist_checkpointing.serialization")
+
+
 def load_sharded_metadata(checkpoint_dir: str) -> dict:
     """``{key: ShardedTensor | ShardedObject}`` saved in a distributed checkpoint
     (``megatron.core.dist_checkpointing.serialization.load_sharded_metadata``, 0.13-0.19)."""

@@ -30,6 +30,7 @@ megatron/core/optimizer/distrib_optimizer.py and distributed/param_and_grad_buff
 """
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional
 
@@ -73,6 +74,9 @@ class ParamSync:
         synced: keys whose ``held`` is known to be the same on every replica (exact all-gather
             done since the start or the last checkpoint load).
         fp32_copies: elements of fp32 main-parameter copies made (the start-up line's memory).
+        optimizers: weak references to the distributed optimizers holding differenced buckets
+            (their main parameters are refreshed after a model load:
+            :mod:`loco_megatron.megatron.param_reload`).
     """
 
     def __init__(self, config: LoCoConfig):
@@ -82,6 +86,7 @@ class ParamSync:
         self.pending: Dict[Hashable, tuple] = {}
         self.synced = set()
         self.fp32_copies = 0
+        self.optimizers: List[weakref.ref] = []
         self.timers = None
         #: bucket key -> scales of the last difference this rank encoded (the bound's step)
         self.last_scales: Dict[Hashable, torch.Tensor] = {}
@@ -96,10 +101,16 @@ class ParamSync:
         e = self.buckets.get(getattr(bucket, "loco_key", None))
         return e if e is not None and e.bucket is bucket else None
 
-    def invalidate(self) -> None:
-        """Parameters were loaded: resynchronise ``held`` exactly before the next difference."""
-        self.synced.clear()
-        self.pending.clear()
+    def invalidate(self, keys=None) -> None:
+        """Parameters were loaded (those of the buckets in ``keys``; None: all): resynchronise
+        ``held`` exactly before the next difference and drop differences not yet sent."""
+        if keys is None:
+            self.synced.clear()
+            self.pending.clear()
+            return
+        self.synced.difference_update(keys)
+        for key in keys:
+            self.pending.pop(key, None)
 
     def _impl(self, tensor) -> str:
         return kernels.select(self.config.kernels, tensor)
@@ -182,6 +193,7 @@ def _wrap_optimizer_init(orig, state):
             return
         check_param_bits_conflicts(self.config, sync.config.param_bits)  # the precision-aware optimizer
         sync.fp32_copies += _separate_fp32_main_params(self, sync)
+        sync.optimizers.append(weakref.ref(self))  # model loads refresh its main parameters
     return __init__
 
 

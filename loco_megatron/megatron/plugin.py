@@ -33,7 +33,7 @@ from ..layout import BucketLayout
 from ..metrics import StepMetrics
 from ..nonfinite import NonfiniteMonitor
 from ..patching import PatchSet
-from . import compat, loss_scale, param_sync
+from . import compat, loss_scale, param_reload, param_sync
 from .checkpoint import hooks as ckpt_hooks
 from .report import (buffer_reports, log_buffers, log_chunk_layout,
                      log_hierarchical_topology, log_param_gather)
@@ -361,7 +361,7 @@ def install(config: LoCoConfig) -> LoCoState:
         targets += [(compat.bucket_group_class(), "start_grad_sync", _wrap_start_grad_sync)]
         targets += loss_scale.patches(state)  # fp16: overflow clears, scale changes rescale errors
     if state.param_active:  # the parameter all-gather as weight differences
-        targets += param_sync.patches(state)
+        targets += param_sync.patches(state) + param_reload.patches(state)
     state.patches = PatchSet(PATCH_SET)
     try:
         for owner, name, wrap in targets:

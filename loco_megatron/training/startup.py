@@ -18,12 +18,13 @@ no traceback).
 """
 
 import argparse
+import dataclasses
 import sys
 from typing import Optional, Sequence
 
 from ..cli.console import fail
 from ..megatron.report import print_rank_0 as _print_rank_0
-from ..config import LoCoConfig, LoCoConfigError
+from ..config import FULL_PRECISION_BITS, LoCoConfig, LoCoConfigError
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -138,15 +139,19 @@ def install_from_args(args, emulated: bool):
 
     Exits through :func:`fail` on an invalid setting or combination.
 
-    Without ``--loco-bits`` (unset: LoCo off) nothing is installed: megatron-core runs as
-    shipped, with no LoCo hook on DDP construction or checkpoints (a checkpoint's LoCo state is
-    then ignored without a warning; ``--loco-bits 16`` installs LoCo off, which checks that every
-    DP rank agrees and warns about ignored LoCo state).
+    Without ``--loco-bits`` and ``--loco-param-bits`` (unset: LoCo off) nothing is installed:
+    megatron-core runs as shipped, with no LoCo hook on DDP construction or checkpoints
+    (``--loco-bits 16`` installs LoCo off, which checks that every DP rank agrees and warns about
+    ignored LoCo state). Except when ``--load`` resumes a checkpoint holding LoCo state
+    (:func:`~loco_megatron.megatron.checkpoint.hooks.checkpoint_holds_loco_state`): then LoCo is
+    installed off, as with ``--loco-bits 16``, so that a checkpoint saved with
+    ``--loco-param-bits`` loads with identical replicas (docs/param_gather.md).
 
     Returns:
         The :class:`~loco_megatron.megatron.plugin.LoCoState` of :func:`loco_megatron.install`,
-        or None when ``--loco-bits`` is unset.
+        or None when nothing is installed.
     """
+    from ..megatron.checkpoint.hooks import checkpoint_holds_loco_state
     from ..megatron.plugin import install
     from ..cli.preflight import check_megatron_args
     from ..megatron.report import log_loco_startup
@@ -157,8 +162,14 @@ def install_from_args(args, emulated: bool):
     except LoCoConfigError as e:
         fail(e)
     if config.bits is None and config.param_bits is None:
-        log_loco_startup(None, args, emulated)
-        return None
+        if not checkpoint_holds_loco_state(getattr(args, "load", None)):
+            log_loco_startup(None, args, emulated)
+            return None
+        # a checkpoint saved with LoCo: installed off, so that its load keeps the replicas
+        # identical (--loco-param-bits saves) and says what is ignored
+        config = dataclasses.replace(config, bits=FULL_PRECISION_BITS[0])
+        _print_rank_0(f"> LoCo: --load {args.load} holds LoCo state; LoCo is installed off "
+                      f"(as --loco-bits {config.bits}) to load it")
     state = install(config)
     log_loco_startup(state, args, emulated)
     # Once per job, in every launch path: LoCo fields on the iteration line, TensorBoard, timers

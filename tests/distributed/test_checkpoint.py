@@ -88,14 +88,20 @@ def _compare_sums(before, after, tol):
 
 
 def test_dp_size_change_4_to_2_keeps_summed_error(saved):
-    """fp32 error storage: the summed error survives up to one fp32 rounding of the sum."""
+    """fp32 error storage: the summed error survives up to one fp32 rounding of the sum; also
+    under ``--dist-ckpt-strictness raise_all`` (the exact form LoCo cannot use at DP 2 is
+    optional, not missing)."""
     fp32 = dict(LOCO4, error_dtype="fp32")
     d = str(saved["root"] / "dp4")
     saves = run_ranks(ckpt_worker, 4, 1, [
         {"phase": "save", "config": fp32, "steps": N, "formats": SUM_FORMATS, "dir": d}])
-    loads = run_ranks(ckpt_worker, 2, 1, [_load(d, f, fp32, steps=2) for f in SUM_FORMATS])
+    strict = [dict(_load(d, "torch_dist", fp32, steps=2), strict="raise_all")
+              ] if "torch_dist" in SUM_FORMATS else []
+    loads = run_ranks(ckpt_worker, 2, 1, [_load(d, f, fp32, steps=2) for f in SUM_FORMATS]
+                      + strict)
     before = saves[0][0]["sum_before_save"]
-    for i, fmt in enumerate(SUM_FORMATS):
+    for i, fmt in enumerate(SUM_FORMATS + ["torch_dist raise_all"] * len(strict)):
+        assert "error" not in loads[0][i], (fmt, loads[0][i].get("error"))
         _compare_sums(before, loads[0][i]["sum_after_load"], tol=1e-6)
         logs = [line for r in range(2) for line in loads[r][i]["logs"]]
         assert len(logs) == 1 and "DP size changed 4 -> 2" in logs[0], (fmt, logs)
@@ -113,6 +119,32 @@ def test_dp_size_change_2_to_4_keeps_summed_error(saved):
         assert len(loads[0][i]["losses"]) == 2
 
 
+#: every ``dist_checkpointing`` strictness (Megatron-LM's ``--dist-ckpt-strictness``;
+#: megatron/core/dist_checkpointing/validation.py ``StrictHandling``)
+STRICTNESS = ["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+              "raise_all", "return_unexpected", "return_all", "ignore_all"]
+
+
+@pytest.mark.skipif(not compat.supports_uneven_sharded_tensors(),
+                    reason="both error forms are saved from megatron-core 0.15 on")
+def test_every_strictness_loads_a_loco_checkpoint(saved):
+    """``torch_dist`` at the same layout under every strictness, ``raise_all`` and
+    ``return_all`` (no missing or unexpected key) included: the DP-summed form LoCo does not
+    read is optional, and the restore is exact. Also under ``raise_all``: LoCo off loading a
+    LoCo checkpoint (nothing of it is read) and LoCo on loading a checkpoint without LoCo."""
+    jobs = [dict(_load(saved["dp2"], "torch_dist"), strict=s) for s in STRICTNESS]
+    jobs += [dict(_load(saved["dp2"], "torch_dist", {"bits": 16}, 1), strict="raise_all"),
+             dict(_load(saved["plain"], "torch_dist", LOCO4, 1), strict="raise_all")]
+    loads = run_ranks(ckpt_worker, 2, 1, jobs)
+    for rank in range(2):
+        straight, first, _ = saved["results"][rank]
+        for i, strictness in enumerate(STRICTNESS):
+            assert "error" not in loads[rank][i], (strictness, loads[rank][i].get("error"))
+            _assert_resumed_exactly(straight, first, loads[rank][i])
+        for extra in loads[rank][len(STRICTNESS):]:
+            assert "error" not in extra and len(extra["losses"]) == 1, extra.get("error")
+
+
 def test_resume_policy_warnings(saved):
     jobs, expect = [], []
     for fmt in FORMATS:
@@ -120,7 +152,8 @@ def test_resume_policy_warnings(saved):
                  _load(saved["dp2"], fmt, dict(LOCO4, bits=8), 1),
                  _load(saved["dp2"], fmt, dict(LOCO4, block_size=128), 1),
                  _load(saved["dp2"], fmt, dict(LOCO4, grid="full-range"), 1)]
-        expect += ["has no LoCo state (saved without LoCo); error buffers start from zero",
+        expect += ["has no LoCo state (saved without LoCo, or at DP size 1 where nothing is "
+                   "compressed); error buffers start from zero",
                    "holds LoCo error buffers but LoCo is off (--loco-bits 16); they are ignored",
                    "bits changed 4 -> 8", "block_size changed 64 -> 128",
                    "grid changed symmetric -> full-range"]
@@ -304,8 +337,9 @@ def test_documented_error_state_bytes_match_the_saved_files(saved):
 
 
 def test_torch_format_messages_said_once_across_tp_ranks(tmp_path):
-    """``torch`` format at TP 2: each TP rank reads its own ``mp_rank_XX`` directory; the
-    message names the iteration directory and is logged once, not once per TP rank."""
+    """``torch`` format at TP 2, DP 2: each TP rank reads its own ``mp_rank_XX`` directory;
+    the message names the iteration directory and is logged once, not once per TP rank. (At
+    DP 1 nothing is compressed, nothing is saved and nothing is said.)"""
     d = str(tmp_path)
     jobs = [{"phase": "save", "config": None, "steps": 2, "formats": ["torch"],
              "dir": os.path.join(d, "stock")},
@@ -313,7 +347,7 @@ def test_torch_format_messages_said_once_across_tp_ranks(tmp_path):
             {"phase": "save", "config": LOCO4, "steps": 2, "formats": ["torch"],
              "dir": os.path.join(d, "loco")},
             _load(os.path.join(d, "loco"), "torch", {"bits": 16}, 1)]
-    results = run_ranks(ckpt_worker, 2, 2, jobs)
+    results = run_ranks(ckpt_worker, 4, 2, jobs)
     for job, text in ((1, "has no LoCo state"), (3, "they are ignored")):
         logs = [line for r in results for line in r[job]["logs"]]
         assert len(logs) == 1 and text in logs[0], logs

@@ -246,3 +246,26 @@ def test_startup_warns_when_differences_outweigh_the_parameters(capsys):
     assert "WARNING" not in capsys.readouterr().out
     log_param_gather(0, LoCoConfig(param_bits=4), [(BucketLayout.build(4096, 2, 256), 2)])
     assert "WARNING" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("reload", [True, False], ids=["reload", "no_reload"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_in_process_model_load_keeps_the_loaded_weights(run_ranks, dtype, reload):
+    """``model.load_state_dict`` of the step-0 state after 3 steps, with or without
+    ``optimizer.reload_model_params()``: after the next all-gather every parameter is the loaded
+    one on every replica, and one more step moves it one Adam step from there, as stock
+    megatron-core (always given ``reload_model_params``) does: per tensor, at most half the
+    distance the 3 training steps covered (plus one ulp of the parameter dtype). Before, fp32
+    main copies kept the trained values and that step jumped back past them."""
+    from .worker_param_loads import model_load_worker
+
+    eps = torch.finfo(torch.bfloat16 if dtype == "bf16" else torch.float32).eps
+    for res in run_ranks(model_load_worker, 2, dtype, reload):
+        for mode in ("stock", "param4"):
+            run = res[mode]
+            assert run["loaded_kept"] and all(run["identical"]), (mode, run["identical"])
+            for name, after in run["after"].items():
+                loaded, trained = run["loaded"][name], run["trained"][name]
+                moved = (after - loaded).abs() - eps * after.abs()
+                span = float((trained - loaded).abs().max())
+                assert float(moved.max()) <= 0.5 * span, (mode, name, float(moved.max()), span)

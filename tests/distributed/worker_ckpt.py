@@ -73,8 +73,10 @@ def save(model, opt, fmt, ckpt_dir):
 
 
 @torch.no_grad()
-def load(model, opt, fmt, ckpt_dir):
-    """Load what :func:`save` wrote into a freshly built model and optimizer."""
+def load(model, opt, fmt, ckpt_dir, strict=None):
+    """Load what :func:`save` wrote into a freshly built model and optimizer (``strict``: the
+    ``dist_checkpointing.load`` strictness, Megatron-LM's ``--dist-ckpt-strictness``; None:
+    megatron-core's default)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -90,7 +92,11 @@ def load(model, opt, fmt, ckpt_dir):
     metadata = {**_sharding(), "dp_cp_group": ps.get_data_parallel_group()}
     sd = {"model": model_sd,
           "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
-    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    loaded = dist_checkpointing.load(sd, ckpt_dir, **({} if strict is None else
+                                                       {"strict": strict}))
+    if isinstance(loaded, tuple):  # return_unexpected / return_all: (state, missing, unexpected)
+        loaded, missing, unexpected = loaded
+        assert not missing and not unexpected, (missing, unexpected)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
 
@@ -141,7 +147,7 @@ def _run_job(job, records):
         if job["phase"] == "load":
             error = None
             try:
-                load(model, opt, job["format"], job["dir"])
+                load(model, opt, job["format"], job["dir"], job.get("strict"))
             except BaseException as e:  # torch DCP raises CheckpointException(BaseException)
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise

@@ -109,8 +109,9 @@ def test_bad_loco_bits_fails_naming_the_flag(tmp_path):
 
 
 def test_combination_checked_after_megatron_parsed_the_flags(tmp_path):
-    """Without --use-distributed-optimizer: refused once Megatron's args are validated (the
-    set_global_variables hook), before any model is built."""
+    """Without --use-distributed-optimizer: refused at start-up on every rank, before Megatron
+    parses anything or builds a model (the launch path's preflight, the same line as the check
+    on Megatron's validated args in the set_global_variables hook)."""
     checkout = _synthetic_checkout(tmp_path, NEW_STYLE)
     rc, out = torchrun(WRAPPER, ["--megatron-lm", str(checkout), *CPU_FLAGS, *TINY_GPT,
                                  "--loco-bits", "4"])

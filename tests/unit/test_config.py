@@ -69,7 +69,8 @@ def test_help_lists_every_field():
 def test_preparse_reads_only_loco_flags():
     from loco_megatron.cli.preflight import preparse_loco_config
 
-    argv = ["--num-layers", "4", "--loco-bits", "8", "--lr", "1e-3", "--loco-block-size", "64"]
+    argv = ["--num-layers", "4", "--loco-bits", "8", "--lr", "1e-3", "--loco-block-size", "64",
+            "--use-distributed-optimizer"]
     assert preparse_loco_config(argv) == LoCoConfig(bits=8, block_size=64)
     with pytest.raises(LoCoConfigError, match="--loco-bits 3"):
         preparse_loco_config(["--loco-bits", "3", "--mock-data"])
@@ -156,7 +157,7 @@ def test_preparse_accepts_a_yaml_cfg_file_naming_itself(tmp_path):
     from loco_megatron.cli.preflight import preparse_loco_config
 
     path = tmp_path / "megatron.yaml"
-    path.write_text(f"yaml_cfg: {path}\nloco:\n  bits: 8\n")
+    path.write_text(f"yaml_cfg: {path}\nuse_distributed_optimizer: true\nloco:\n  bits: 8\n")
     assert preparse_loco_config(["--yaml-cfg", str(path)]).bits == 8
     with pytest.raises(LoCoConfigError, match=r"--yaml-cfg .*nope\.yaml: cannot read the file"):
         preparse_loco_config(["--yaml-cfg", str(tmp_path / "nope.yaml")])
@@ -166,7 +167,8 @@ def test_preparse_reads_the_loco_settings_of_a_megatron_yaml_cfg(tmp_path):
     from loco_megatron.cli.preflight import preparse_loco_config
 
     path = tmp_path / "megatron.yaml"
-    path.write_text("num_layers: 2\nloco_block_size: 64\nloco:\n  bits: 8\n")
+    path.write_text("num_layers: 2\nuse_distributed_optimizer: true\nloco_block_size: 64\n"
+                    "loco:\n  bits: 8\n")
     assert preparse_loco_config(["--yaml-cfg", str(path)]) == LoCoConfig(bits=8, block_size=64)
     assert preparse_loco_config(["--yaml-cfg", str(path), "--loco-bits", "4"]).bits == 4  # CLI wins
     path.write_text("loco:\n  bits: 3\n")
@@ -199,7 +201,8 @@ def test_preflight_command_expands_config_files(tmp_path, capsys):
     good.write_text("loco:\n  bits: 4\n")
     assert main(["--config", str(bad)]) == 2
     assert f"--config {bad}, loco section: --loco-bits 3" in capsys.readouterr().err
-    assert main(["--config", str(good), "--loco-block-size", "64"]) == 0
+    assert main(["--config", str(good), "--loco-block-size", "64",
+                 "--use-distributed-optimizer"]) == 0
 
 
 def test_full_precision_1d_refused_with_hierarchical():

@@ -104,7 +104,9 @@ def test_imports_point_down_the_layers():
 
 def test_the_seam_folder_is_the_megatron_core_seam_only():
     seam = [p for p in (PACKAGE / "megatron").rglob("*.py") if p.name != "__init__.py"]
-    assert len(seam) <= 10, sorted(str(p) for p in seam)
+    # wrappers of megatron-core calls and the version adapter only (11: the parameter
+    # all-gather's model-load wrapper beside its step-time wrappers)
+    assert len(seam) <= 11, sorted(str(p) for p in seam)
     graph = _import_graph()
     for module in graph:
         if module.startswith("loco_megatron.megatron"):

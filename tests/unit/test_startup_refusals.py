@@ -10,7 +10,7 @@ import pytest
 from loco_megatron import emulation
 from loco_megatron.training import startup, workarounds
 
-ARGV = ["--train-iters", "4", "--save", "/tmp/ckpt", "--async-save",
+ARGV = ["--train-iters", "4", "--use-distributed-optimizer", "--save", "/tmp/ckpt", "--async-save",
         "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
 
 
@@ -35,7 +35,7 @@ def test_async_save_untouched_with_a_gpu(monkeypatch):
 def test_without_async_save_cpu_ranks_start(monkeypatch):
     monkeypatch.setattr(emulation, "activate_if_no_gpu", lambda: True)
     monkeypatch.setattr(workarounds, "apply_needed", lambda emulated: [])
-    assert startup.prepare(ARGV[:4]) is True
+    assert startup.prepare(ARGV[:5]) is True
 
 
 def test_refusal_from_inside_megatron_is_one_line_without_traceback(tmp_path):

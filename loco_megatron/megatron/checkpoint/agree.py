@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-NO_STATE = "has no LoCo state (saved without LoCo)"
+NO_STATE = "has no LoCo state"
 
 
 @dataclass

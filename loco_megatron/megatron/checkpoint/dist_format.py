@@ -21,14 +21,29 @@ the ``meta`` object; :func:`resolve_requests`, run by the wrapped ``dist_checkpo
 the usable form, or drops ``meta`` when the checkpoint has no LoCo state.
 ``DistributedOptimizer.load_state_dict`` then hands the loaded entry to
 :func:`loco_megatron.megatron.checkpoint.state.apply`.
+
+Strict loads (``--dist-ckpt-strictness raise_all``, ``log_all``, ``return_all``) count every
+checkpoint key no rank loads as missing. A load reads one error form, and a resume after a DP,
+TP or bucket change reads fewer (or none) of the saved LoCo keys, so the saved forms are
+optional: while the wrapped load runs, :func:`optional_loco_keys` hides from the strict check's
+view of the checkpoint (``serialization.load_sharded_metadata``) the LoCo keys this rank does not
+load. Keys it does load, and every other key, are checked as stock.
 """
 
+import contextlib
+import re
 from typing import Dict, Iterator, List
 
 import torch
 
+from ...patching import PatchSet
 from .. import compat
 from .state import OptimizerLoCo
+
+#: a LoCo key of a distributed checkpoint (any optimizer prefix a ChainedOptimizer adds)
+LOCO_KEY = re.compile(r"(^|\.)loco\.(expert_)?dp_group_idx_\d+\.")
+#: the patch set that makes unread LoCo keys optional during one strict load
+OPTIONAL_KEYS_PATCH_SET = "loco-optional-keys"
 
 REQUEST = "__loco__"
 _mapping = compat.dist_checkpointing_mapping
@@ -192,3 +207,34 @@ def load_entry(view: OptimizerLoCo, entry: dict) -> List[str]:
                            "loco_megatron's dist_checkpointing.load hook; call "
                            "loco_megatron.install() before loading")
     return view.load_state_dict(entry, req["source"])
+
+
+def _sharded_keys(tree) -> set:
+    """Keys of every ``ShardedBase`` (tensor or object) in a sharded state dict."""
+    base = _mapping().ShardedBase
+    if isinstance(tree, base):
+        return {tree.key}
+    if isinstance(tree, dict):
+        return set().union(*(_sharded_keys(v) for v in tree.values())) if tree else set()
+    if isinstance(tree, (list, tuple)):
+        return set().union(*(_sharded_keys(v) for v in tree)) if tree else set()
+    return set()
+
+
+@contextlib.contextmanager
+def optional_loco_keys(sharded_state_dict):
+    """While the block runs, megatron-core's strict-load check does not see the LoCo keys of
+    the checkpoint that ``sharded_state_dict`` (this rank's, resolved) does not load: saved
+    error forms this resume does not use are optional, not missing (module docstring)."""
+    serialization = compat.dist_checkpointing_serialization()
+    stock = serialization.load_sharded_metadata
+    loaded = _sharded_keys(sharded_state_dict)
+
+    def load_sharded_metadata(*args, **kwargs):
+        saved = stock(*args, **kwargs)
+        return {k: v for k, v in saved.items()
+                if v.key in loaded or not LOCO_KEY.search(v.key)}
+
+    with PatchSet(OPTIONAL_KEYS_PATCH_SET).applied() as patches:
+        patches.replace(serialization, "load_sharded_metadata", load_sharded_metadata)
+        yield

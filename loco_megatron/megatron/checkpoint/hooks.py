@@ -21,7 +21,7 @@ state is ignored; nothing is saved and training is untouched.
 
 import functools
 
-from .. import compat
+from .. import compat, param_reload
 from . import agree, dist_format, torch_format
 from .state import OptimizerLoCo
 
@@ -35,7 +35,7 @@ def _wrap_sharded_state_dict(orig, state):
         view = OptimizerLoCo(self, state)
         sharding = (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type")
         if (not isinstance(result, dict) or sharding == "fsdp_dtensor"
-                or (not is_loading and not view.state.active)):
+                or (not is_loading and not view.saves_state)):
             return result
         result["loco"] = dist_format.sharded_entry(view, is_loading)
         return result
@@ -54,8 +54,20 @@ def _wrap_load_state_dict(orig, state):
         view = OptimizerLoCo(self, state)
         if entry is not None:
             dist_format.load_entry(view, entry)
+        _gather_after_mode_switch([self])
         return result
     return load_state_dict
+
+
+def _gather_after_mode_switch(optimizers) -> None:
+    """The checkpoint was saved with ``--loco-param-bits`` and this run gathers parameters as
+    stock (marked by :func:`~loco_megatron.megatron.checkpoint.state.apply`): every replica
+    takes the loaded main parameters now, not at the first all-gather
+    (:func:`loco_megatron.megatron.param_reload.gather_loaded_params`)."""
+    for opt in optimizers:
+        if getattr(opt, "loco_gather_params_after_load", False):
+            opt.loco_gather_params_after_load = False
+            param_reload.gather_loaded_params(opt)
 
 
 def _parameters_loaded(state) -> None:
@@ -101,7 +113,8 @@ def _wrap_load_parameter_state(orig, state, chained: bool):
                     first_error = first_error or e
             if first_error is not None:
                 raise first_error
-            return result
+        _gather_after_mode_switch([opt for _, opt in _distributed_optimizers(self)])
+        return result
     return load_parameter_state
 
 
@@ -111,11 +124,41 @@ def _wrap_dist_load(orig, state):
         if not dist_format.resolve_requests(sharded_state_dict, checkpoint_dir):
             return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         # every rank: the LoCo entries applied at once, one decision (checkpoint.agree)
-        with agree.load_round(kwargs.get("process_group")):
+        with agree.load_round(kwargs.get("process_group")), \
+                dist_format.optional_loco_keys(sharded_state_dict):
             loaded = orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
             dist_format.apply_loaded(loaded)
         return loaded
     return load
+
+
+def checkpoint_holds_loco_state(load_dir) -> bool:
+    """Whether the checkpoint Megatron-LM's ``--load load_dir`` resumes from (the iteration its
+    ``latest_checkpointed_iteration.txt`` names) holds LoCo state: LoCo files next to the
+    ``torch`` format's optimizer files, or LoCo keys in a ``torch_dist`` checkpoint's metadata.
+    False when there is no such checkpoint. Megatron-LM's layout: megatron/training/
+    checkpointing.py (``get_checkpoint_tracker_filename``, ``get_checkpoint_name``)."""
+    import glob
+    import os
+
+    if not load_dir:
+        return False
+    try:
+        with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
+            tag = f.read().strip()
+    except OSError:
+        return False
+    iter_dir = os.path.join(load_dir, "release" if tag == "release" else f"iter_{int(tag):07d}"
+                            if tag.isdigit() else tag)
+    if glob.glob(os.path.join(glob.escape(iter_dir), "mp_rank_*", "loco_state_*.pt")):
+        return True
+    if not os.path.exists(os.path.join(iter_dir, ".metadata")):
+        return False
+    try:
+        saved = compat.load_sharded_metadata(iter_dir)
+    except Exception:  # noqa: BLE001 - not a readable torch_dist checkpoint: Megatron will say
+        return False
+    return any(dist_format.LOCO_KEY.search(v.key) for v in saved.values())
 
 
 def forget_pending_loads() -> None:

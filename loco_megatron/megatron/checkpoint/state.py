@@ -38,7 +38,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from ...config import CONVERT, RESET, fingerprint, fingerprint_fields
+from ...config import COMPRESSED_BITS, CONVERT, RESET, fingerprint, fingerprint_fields
 from ...hierarchical import INTER, INTRA, group_topology, inter_view
 from ...kernels import block_table
 from ...layout import BucketLayout
@@ -137,6 +137,13 @@ class OptimizerLoCo:
                 self.buckets.append(BucketRef(
                     f"gbuf_idx_{g}.bucket_idx_{b}", bucket, bucket.loco_key,
                     state.layout_for(bucket, self.dp_size), self.dp_rank))
+
+    @property
+    def saves_state(self) -> bool:
+        """A save holds LoCo state: the error buffers (LoCo on) or the record of the
+        weight-difference all-gather (``--loco-param-bits``), and only where something is
+        compressed (DP size > 1)."""
+        return (self.state.active or self.state.param_active) and self.dp_size > 1
 
     @property
     def forms(self) -> List[str]:
@@ -347,8 +354,9 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
         _reset(view, ref)
         counts["reset"] += 1
 
+    _param_mode_switch(view, meta, source, note)
     if not state.active:
-        if meta is not None:
+        if isinstance(meta, dict) and meta.get("forms"):
             note(logging.WARNING, f"LoCo: {source} holds LoCo error buffers but LoCo is off "
                                   f"(--loco-bits {state.config.bits}); they are ignored")
         return
@@ -356,8 +364,11 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
     if meta is None:
         for ref in view.buckets:
             reset(ref)
-        note(logging.WARNING, f"LoCo: {source} has no LoCo state (saved without LoCo); error "
-                              f"buffers start from zero")
+        if view.dp_size == 1:
+            return  # nothing is compressed here: no state is needed
+        note(logging.WARNING, f"LoCo: {source} {agree.NO_STATE} (saved without LoCo, or at DP "
+                              f"size 1 where nothing is compressed); error buffers start from "
+                              f"zero")
         return
     validate_meta(meta, data_file)
     saved_fp, saved = meta["fingerprint"], meta["buckets"]
@@ -440,6 +451,27 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
         if saved_setting(saved_fp, k) != getattr(cfg, k):
             note(logging.WARNING, f"LoCo: error storage changed {saved_setting(saved_fp, k)} -> "
                                   f"{getattr(cfg, k)}; saved errors converted")
+
+
+def _param_mode_switch(view: OptimizerLoCo, meta, source: str, note) -> None:
+    """The parameter all-gather's mode changed since the checkpoint (``--loco-param-bits``
+    recorded in its fingerprint): saved with weight differences and resumed without, the
+    optimizer is marked for one exact all-gather of its fp32 parameters after the load
+    (:func:`loco_megatron.megatron.param_reload.gather_loaded_params`; the checkpoint hooks run
+    it); the other way round the first all-gather is exact anyway. One line each."""
+    saved_fp = meta.get("fingerprint") if isinstance(meta, dict) else None
+    saved = saved_setting(saved_fp, "param_bits") if isinstance(saved_fp, dict) else None
+    saved_on = saved in COMPRESSED_BITS
+    if saved_on and not view.state.param_active:
+        view.optimizer.loco_gather_params_after_load = True
+        note(logging.WARNING, f"LoCo: {source} was saved with --loco-param-bits {saved} and is "
+                              f"resumed without it: fp32 parameters are all-gathered exactly "
+                              f"once from the loaded main parameters, so every replica holds "
+                              f"them")
+    elif view.state.param_active and not saved_on:
+        note(logging.WARNING, f"LoCo: {source} was saved without --loco-param-bits: the "
+                           f"parameters are all-gathered exactly once before the first weight "
+                           f"difference")
 
 
 def _reset(view: OptimizerLoCo, ref: BucketRef) -> None:

@@ -46,9 +46,9 @@ def sidecar_path(filename: str, index: int, dp_rank: int, instance: int = 0) -> 
 
 def save(view: OptimizerLoCo, filename: str, index: int) -> Optional[str]:
     """Write this rank's LoCo file (collective over the DP group). Returns its path, or None
-    when LoCo is off."""
-    if not view.state.active:
-        if view.dp_rank == 0:  # LoCo off: no LoCo file may survive from an earlier save here
+    when there is nothing to save (LoCo off, DP size 1: :attr:`OptimizerLoCo.saves_state`)."""
+    if not view.saves_state:
+        if view.dp_rank == 0:  # no LoCo file may survive from an earlier save here
             for path in _rank_files(filename, index).values():
                 os.remove(path)
         return None
@@ -146,9 +146,14 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
                              f"or delete every loco_state_{index}_dp*.pt to resume with zero "
                              f"error buffers")
         return view.load_state_dict(None, source)
-    if not view.state.active:
-        return view.load_state_dict({"meta": {"observed": True}}, source)
-    meta = _read(first)["meta"]
+    try:
+        meta = _read(first)["meta"]
+    except ValueError:
+        if view.state.active:
+            raise
+        meta = {"forms": ["unread"]}  # LoCo off ignores the file's content, as stock does
+    if not view.state.active:  # the record only (warnings, --loco-param-bits switches)
+        return view.load_state_dict({"meta": meta}, source)
     exact = sums = None
     data_file = first
     if meta["dp_size"] == view.dp_size and meta.get("instances", 1) == view.instances:

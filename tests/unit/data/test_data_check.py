@@ -96,7 +96,8 @@ def test_launcher_check_exits_2_with_one_line(tmp_path):
     """What run_pretrain.sh runs before preparing data or starting ranks."""
     missing = str(tmp_path / "nope")
     proc = subprocess.run([sys.executable, "-m", "loco_megatron.cli.preflight",
-                           "--data-path", missing, "--loco-bits", "4"], cwd=ROOT,
+                           "--data-path", missing, "--loco-bits", "4",
+                           "--use-distributed-optimizer"], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2

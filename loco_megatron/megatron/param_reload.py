@@ -1,0 +1,115 @@
+"""Model loads and mode switches with the weight-difference parameter all-gather.
+
+docs/param_gather.md ("Loads"). With ``--loco-param-bits`` the distributed optimizer's fp32 main
+parameters and the model's parameters (``held``) are different tensors for every dtype: bf16 and
+fp16 parameters have megatron-core's own fp32 main copies, and fp32 parameters get a private copy
+(:mod:`loco_megatron.megatron.param_sync`). Stock megatron-core needs no refresh of fp32 main
+parameters after a model load (they are views of the model's ``param_data``), so Megatron-LM's
+``load_checkpoint`` (megatron/training/checkpointing.py, core_v0.13-0.19) calls
+``optimizer.reload_model_params()`` after a model-only load (``--finetune``,
+``--no-load-optim``, a release checkpoint) only for fp16/bf16. Without a refresh here the first
+weight difference would pull every replica back to the main copy's old values.
+
+Two things are wrapped or provided here:
+
+``DistributedDataParallel.load_state_dict`` (megatron/core/distributed/data_parallel_base.py)
+    the path of every Megatron-LM model load (``torch`` and ``torch_dist`` formats) and of an
+    in-process ``model.load_state_dict``: after it returns, the main parameters of the model's
+    differenced buckets are copied from the loaded model parameters, as
+    ``DistributedOptimizer._copy_model_params_to_main_params`` does, and those buckets are
+    all-gathered exactly before their next difference (pending differences are dropped). A
+    full resume loads the optimizer right after and overwrites the main parameters with the
+    saved exact values.
+:func:`gather_loaded_params`
+    a checkpoint saved with ``--loco-param-bits`` holds ``held`` as the model's parameters and
+    the exact ``main`` in the optimizer state. Resumed without the flag, stock megatron-core
+    loads ``main`` into each rank's own shard of an fp32 ``param_data`` (it is the main
+    parameter there) while the other shards keep ``held``: the replicas differ until the first
+    all-gather. The checkpoint hooks call this after the optimizer load, when the checkpoint's
+    LoCo record says it was saved with weight differences: an exact all-gather of every fp32
+    bucket's ``param_data`` (stock bytes, once) makes every replica equal the loaded ``main``.
+"""
+
+import functools
+from typing import Set
+
+import torch
+import torch.distributed as dist
+
+from . import compat
+from .param_sync import GROUP_PAIRS, _bucket_of
+
+
+def refresh_main_params(opt, keys: Set) -> int:
+    """Copy the model parameters of the buckets in ``keys`` into ``opt``'s main parameters (the
+    rank's own shard of each, cast to fp32), as megatron-core's
+    ``DistributedOptimizer._copy_model_params_to_main_params`` does for all of them. Returns
+    the elements copied."""
+    copied = 0
+    for shard_attr, model_attr in GROUP_PAIRS:
+        for shard_group, model_group in zip(getattr(opt, shard_attr), getattr(opt, model_attr)):
+            for main, param in zip(shard_group, model_group):
+                if getattr(_bucket_of(opt, param), "loco_key", None) not in keys:
+                    continue
+                rng = opt._get_model_param_range_map(param)["param"]
+                main.data.copy_(param.detach().view(-1)[rng.start:rng.end])
+                copied += main.numel()
+    return copied
+
+
+def model_loaded(state, ddp) -> Set:
+    """``ddp``'s parameters were loaded: refresh the main parameters of its differenced buckets
+    from them and resynchronise those buckets exactly. Returns the bucket keys concerned."""
+    sync = state.param_sync
+    keys = {bucket.loco_key for buffer in compat.ddp_buffers(ddp) for bucket in buffer.buckets
+            if sync.entry(bucket) is not None}
+    if not keys:
+        return keys
+    with torch.no_grad():
+        for ref in list(sync.optimizers):
+            opt = ref()
+            if opt is None:
+                sync.optimizers.remove(ref)
+            else:
+                refresh_main_params(opt, keys)
+    sync.invalidate(keys)
+    return keys
+
+
+def _wrap_ddp_load_state_dict(orig, state):
+    @functools.wraps(orig)
+    def load_state_dict(self, *args, **kwargs):
+        result = orig(self, *args, **kwargs)
+        if state.param_sync is not None:
+            model_loaded(state, self)
+        return result
+    return load_state_dict
+
+
+def gather_loaded_params(opt) -> int:
+    """Exact all-gather of every fp32 bucket's ``param_data`` of ``opt`` over its DP group
+    (each rank sends its own shard, as megatron-core's ``start_param_sync`` does), so that all
+    replicas hold what this load put into the owners' shards. Returns the buckets gathered;
+    bf16/fp16 buckets are left alone (their main parameters are separate, the loaded model
+    parameters already agree)."""
+    group = opt.data_parallel_group
+    world, rank = group.size(), group.rank()
+    gathered = 0
+    if world <= 1:
+        return gathered
+    for buffer in opt.buffers:
+        for bucket in buffer.buckets:
+            data = bucket.param_data
+            if data is None or data.dtype != torch.float32:
+                continue
+            flat = data.view(-1)
+            chunks = list(flat.split(flat.numel() // world))
+            dist.all_gather(chunks, chunks[rank].clone(), group=group)
+            gathered += 1
+    return gathered
+
+
+def patches(state) -> list:
+    """``[(owner, attribute, wrapper factory)]`` of model loads (``--loco-param-bits``)."""
+    return [(compat.ddp_class(), "load_state_dict",
+             functools.partial(_wrap_ddp_load_state_dict, state=state))]

@@ -1,0 +1,59 @@
+"""Ranks of the in-process model-load tests of ``--loco-param-bits``: the tiny GPT of
+:mod:`.worker_megatron` trained a few steps, then its step-0 state dict loaded back into the
+DDP model (``model.load_state_dict``, with or without ``optimizer.reload_model_params()``), the
+next all-gather and one more step."""
+
+import torch
+
+from .worker_megatron import build_gpt, forward_backward, setup
+from .worker_param_gather import replicas_identical
+
+STEPS = 3
+
+
+def _params(model):
+    return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
+
+
+def model_load_worker(rank, world, dtype, reload):
+    """Per mode (``stock``: megatron-core alone, always with ``reload_model_params`` as
+    Megatron-LM calls it; ``param4``: ``--loco-param-bits 4``, with ``reload`` as given):
+    ``loaded_kept`` (after the load and the next all-gather every parameter equals the loaded
+    one), ``identical`` (replicas bit-identical then and after the next step), ``after`` (the
+    parameters after that step, fp32) and ``trained`` (before the load)."""
+    import loco_megatron
+    from megatron.core import parallel_state as ps
+
+    setup(1, "gloo")
+    params_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    out = {}
+    for mode in ("stock", "param4"):
+        if mode == "param4":
+            loco_megatron.install(loco_megatron.LoCoConfig(param_bits=4, block_size=64))
+        try:
+            model, opt = build_gpt(False, 6000, dropout=0.0, params_dtype=params_dtype)
+            snap = {k: v.clone() if torch.is_tensor(v) else v
+                    for k, v in model.state_dict().items()}
+            loaded = _params(model)
+            for _ in range(STEPS):
+                forward_backward(model, opt)
+                opt.step()
+            trained = _params(model)
+            with torch.no_grad():
+                model.load_state_dict(snap)
+            if mode == "stock" or reload:
+                opt.reload_model_params()
+            model.start_param_sync(force_sync=True)  # what the next forward's hooks do
+            now = _params(model)
+            kept = all(torch.equal(now[n], loaded[n]) for n in loaded)
+            group = ps.get_data_parallel_group()
+            identical = [replicas_identical(model.module.parameters(), group)]
+            forward_backward(model, opt)
+            opt.step()
+            model.start_param_sync(force_sync=True)
+            identical.append(replicas_identical(model.module.parameters(), group))
+            out[mode] = {"loaded_kept": kept, "identical": identical, "after": _params(model),
+                         "trained": trained, "loaded": loaded}
+        finally:
+            loco_megatron.uninstall()
+    return out
