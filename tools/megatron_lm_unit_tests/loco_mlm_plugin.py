@@ -11,11 +11,17 @@ imported it
 4. makes ``parallel_state.destroy_model_parallel`` also destroy the process groups it forgets:
    megatron-core only drops its references, and under gloo every group keeps its threads and
    sockets, thousands per rank within one test file;
-5. installs loco_megatron with ``LoCoConfig(bits=LOCO_MLM_BITS)`` (``stock``: not installed).
+5. applies the shims of :data:`mlm_cpu_shims.SHIMS` for the CPU environment's gaps (torch's
+   Adam standing in for TE's / apex's FusedAdam), each with its reason, in every mode alike;
+6. installs loco_megatron with ``LoCoConfig(bits=LOCO_MLM_BITS)`` (``stock``: not installed).
 
 Each rank writes ``{test id: outcome}`` to ``$LOCO_MLM_OUT/rank<RANK>.json`` after every test
-(``passed``, ``failed`` or ``skipped``, and a failure's error lines). A test still running after
-``LOCO_MLM_TEST_TIMEOUT`` seconds (default 120) counts as failed ("hung") and ends its rank.
+(``passed``, ``failed`` or ``skipped``, with a failure's error lines or a skip's reason). A
+module skipped as a whole (``pytest.skip(..., allow_module_level=True)`` or ``importorskip`` at
+import) is recorded as one skipped ``<file>::<collection>`` entry with its reason, and a file
+that collects no test as one skipped ``<file>::<no tests>`` entry, so neither reads as 0 / 0 / 0.
+A test still running after ``LOCO_MLM_TEST_TIMEOUT`` seconds (default 120) counts as failed
+("hung") and ends its rank.
 """
 
 import json
@@ -130,6 +136,12 @@ def _destroy_groups_with_model_parallel() -> None:
     ps.initialize_model_parallel = initialize_model_parallel
 
 
+def _apply_cpu_shims() -> None:
+    import mlm_cpu_shims  # beside this plugin (run.py puts its directory on PYTHONPATH)
+
+    mlm_cpu_shims.apply()
+
+
 def _bits():
     value = os.environ.get("LOCO_MLM_BITS", "stock")
     return None if value == "stock" else int(value)
@@ -147,6 +159,7 @@ def _setup() -> None:
     _force_gloo()
     _local_layer_specs()
     _destroy_groups_with_model_parallel()
+    _apply_cpu_shims()
     bits = _bits()
     if bits is not None:
         import loco_megatron
@@ -157,17 +170,38 @@ def _setup() -> None:
 _setup()  # at import (-p loads this plugin before any conftest.py)
 
 
+#: characters of a message kept (run.py compares them after normalising, then shortens them)
+MESSAGE_CHARS = 2000
+
+
 def _message(report) -> str:
-    """The error lines (``E ...``) of a failure, joined, at most 600 characters."""
-    lines = str(report.longrepr).strip().splitlines()
+    """A failure's error lines (``E ...``) or a skip's reason, joined, at most
+    :data:`MESSAGE_CHARS` characters."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # a skip: (path, line, reason)
+        return str(longrepr[2]).removeprefix("Skipped: ")[:MESSAGE_CHARS]
+    lines = str(longrepr).strip().splitlines()
     errors = [x[1:].strip() for x in lines if x.startswith("E ")]
-    return " ".join(errors or lines[-1:])[:600]
+    return " ".join(errors or lines[-1:])[:MESSAGE_CHARS]
 
 
 def pytest_collectreport(report):
+    if not report.nodeid.endswith(".py"):  # a class, the session: its module reports too
+        return
     if report.failed:  # e.g. a module that imports transformer_engine (GPU-only)
         _OUTCOMES[f"{report.nodeid}::<collection>"] = {"outcome": "failed",
                                                        "message": _message(report)}
+    elif report.skipped:  # pytest.skip(allow_module_level=True) / importorskip at import
+        _OUTCOMES[f"{report.nodeid}::<collection>"] = {"outcome": "skipped",
+                                                       "message": _message(report)}
+
+
+def pytest_collection_finish(session):
+    if not session.items and not _OUTCOMES:  # nothing to run and no reason recorded yet
+        for arg in session.config.args:
+            _OUTCOMES[f"{arg.split('::')[0]}::<no tests>"] = {
+                "outcome": "skipped", "message": "no tests collected"}
+        _write()
 
 
 #: seconds one test may run on a rank before it counts as hung (``LOCO_MLM_TEST_TIMEOUT``)
@@ -203,7 +237,7 @@ def pytest_runtest_logreport(report):
     if report.failed:
         _OUTCOMES[report.nodeid] = {"outcome": "failed", "message": _message(report)}
     elif report.skipped and previous is None:
-        _OUTCOMES[report.nodeid] = {"outcome": "skipped"}
+        _OUTCOMES[report.nodeid] = {"outcome": "skipped", "message": _message(report)}
     elif report.when == "call" and previous is None:
         _OUTCOMES[report.nodeid] = {"outcome": "passed"}
 

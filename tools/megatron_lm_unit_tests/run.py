@@ -1,24 +1,27 @@
-"""Run Megatron-LM's own distributed unit tests with loco_megatron installed; compare to stock.
+"""Run Megatron-LM's own unit tests with loco_megatron installed; compare to stock.
 
     .venv/bin/python tools/megatron_lm_unit_tests/run.py --megatron-lm /path/to/Megatron-LM
     .venv/bin/python tools/megatron_lm_unit_tests/run.py --tag core_v0.19.0   # from a mirror
+    .venv/bin/python tools/megatron_lm_unit_tests/run.py --tag core_v0.19.0 \
+        --dir tests/unit_tests/dist_checkpointing
 
-Each test file of ``tests/unit_tests/distributed/`` (the checkout's) runs under
+Each test file of ``--dir`` (the checkout's; default ``tests/unit_tests/distributed/``) runs under
 ``torchrun --nproc-per-node N -m pytest -p loco_mlm_plugin`` on CPU ranks (gloo, the CUDA
 emulation; :mod:`loco_mlm_plugin`), once per mode: ``stock`` (loco_megatron not installed),
 ``bits16`` (installed, LoCo off) and ``bits4`` (installed, 4-bit LoCo), at 2 and 4 ranks. A test
 passes when it passes on every rank. The table (``--table``, default
-docs/megatron_lm_unit_tests.md) lists passed / failed / skipped per file and mode and every test
-whose outcome differs from stock, with the reason from :data:`EXPECTED_BITS4` where LoCo on is
-expected to differ. Exit status 1 when bits 16 differs from stock anywhere, or bits 4 differs
-outside :data:`EXPECTED_BITS4`.
+docs/megatron_lm_unit_tests.md for ``distributed/``, docs/megatron_lm_unit_tests_<dir>.md for
+another directory; :mod:`mlm_table`) lists passed / failed / skipped per file and mode, files
+skipped as a whole with their reason, and every test whose outcome or failure message
+(normalised, :mod:`mlm_messages`) differs from stock, with the reason from
+:data:`EXPECTED_BITS4` where LoCo on is expected to differ. Exit status 1 when bits 16 differs
+from stock anywhere, or bits 4 differs outside :data:`EXPECTED_BITS4`.
 
 Nothing of the checkout is copied into this repository; ``--tag`` extracts the tag from a git
 mirror of NVIDIA/Megatron-LM (``LOCO_MEGATRON_LM_MIRROR``) into a temporary directory.
 """
 
 import argparse
-import datetime
 import fnmatch
 import json
 import os
@@ -31,10 +34,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
+if str(HERE) not in sys.path:  # mlm_messages, mlm_table (also when loaded from a file path)
+    sys.path.insert(0, str(HERE))
+from mlm_messages import differences
+from mlm_table import DEFAULT_DIR, MODES, counts, default_table, table
 #: a git mirror of NVIDIA/Megatron-LM the user named (``$LOCO_MEGATRON_LM_MIRROR``), or None
 MIRROR = (Path(os.environ["LOCO_MEGATRON_LM_MIRROR"])
           if os.environ.get("LOCO_MEGATRON_LM_MIRROR") else None)
-MODES = ("stock", "bits16", "bits4")
 
 #: Where 4-bit LoCo is expected to change a Megatron-LM test's outcome, each with the reason:
 #: ``("message", text)`` matches a failure whose message contains ``text`` (LoCo refusing a
@@ -84,17 +90,19 @@ def checkout_path(args, tmp: Path) -> Path:
         path = Path(args.megatron_lm)
     else:
         sys.exit("error: pass --megatron-lm PATH (or set MEGATRON_LM) or --tag core_v0.19.0")
-    if not (path / "tests" / "unit_tests" / "distributed").is_dir():
-        sys.exit(f"error: --megatron-lm {path}: no tests/unit_tests/distributed/ (not a "
-                 f"Megatron-LM checkout?)")
+    test_dir = getattr(args, "dir", DEFAULT_DIR)
+    if not (path / test_dir).is_dir():
+        sys.exit(f"error: --megatron-lm {path}: no {test_dir}/ (not a Megatron-LM checkout, or "
+                 f"--dir is not a directory of it?)")
     return path
 
 
 def run_file(checkout: Path, test: str, mode: str, ranks: int, timeout: int, log) -> dict:
     """``{test id: {"outcome": ..., "message": ...}}`` of one file, merged over the ranks."""
     with tempfile.TemporaryDirectory() as out:
+        # PYTHONHASHSEED: the same set and dict orders in every mode (messages are compared)
         env = dict(os.environ, LOCO_MLM_BITS=mode.replace("bits", ""), LOCO_MLM_OUT=out,
-                   OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                   OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONHASHSEED="0",
                    PYTHONPATH=os.pathsep.join([str(checkout), str(HERE), str(ROOT)]))
         env.pop("MEGATRON_LM", None)
         # the checkout's own megatron package is first on sys.path: it is what runs and what
@@ -121,8 +129,9 @@ def run_file(checkout: Path, test: str, mode: str, ranks: int, timeout: int, log
         crashed = True                           # could not find): never reads as 0 / 0 / 0
     merged = merge_ranks(per_rank, test, crashed)
     for test_id, res in sorted(merged.items()):  # the reasons, also of stock's own failures
-        if res["outcome"] == "failed":
-            log.write(f"FAILED {test_id} [{mode}, {ranks} ranks]: {res.get('message', '')}\n")
+        if res["outcome"] == "failed" or test_id.endswith(">"):  # and whole-file skips
+            log.write(f"{res['outcome'].upper()} {test_id} [{mode}, {ranks} ranks]: "
+                      f"{res.get('message', '')}\n")
     return merged
 
 
@@ -152,53 +161,33 @@ def expected_reason(test_id: str, message: str):
     return None
 
 
-def counts(results: dict) -> str:
-    c = {k: sum(1 for r in results.values() if r["outcome"] == k)
-         for k in ("passed", "failed", "skipped")}
-    return f"{c['passed']} / {c['failed']} / {c['skipped']}"
+def compare(res: dict, modes, ranks: int) -> list:
+    """Every result of ``res`` (``{mode: results}``) that differs from stock's, outcome or
+    normalised message: ``(mode, ranks, test id, stock outcome, outcome, message, reason,
+    stock message)``; ``reason`` from :data:`EXPECTED_BITS4` (bits 4 only), else None."""
+    diffs = []
+    for mode in modes:
+        if mode == "stock":
+            continue
+        for test_id, a, b, stock_message, message in differences(res["stock"], res[mode]):
+            reason = expected_reason(test_id, message) if mode == "bits4" else None
+            diffs.append((mode, ranks, test_id, a, b, message, reason, stock_message))
+    return diffs
 
 
-def table(checkout_name, rows, diffs, elapsed, harness_doc="megatron_lm_unit_tests_harness.md",
-          only_files=None) -> str:
-    """The markdown table of one run (``only_files``: how many files ``--files`` named)."""
-    scope = ("`tests/unit_tests/distributed/`" if only_files is None else
-             f"{only_files} file{'s' if only_files != 1 else ''} of `tests/unit_tests/distributed/`")
-    lines = [
-        "# Megatron-LM's distributed unit tests with loco_megatron installed",
-        "",
-        f"Generated by `tools/megatron_lm_unit_tests/run.py` on "
-        f"{datetime.date.today().isoformat()} ({elapsed / 60:.0f} min): Megatron-LM "
-        f"`{checkout_name}`'s {scope} with the checkout's own "
-        f"`megatron` package, CPU ranks (gloo, the CUDA emulation). Cells: passed / failed "
-        f"/ skipped (a test passes when it passes on every rank). `stock`: loco_megatron not "
-        f"installed; `bits16`: `install(LoCoConfig(bits=16))`, LoCo off; `bits4`: 4-bit LoCo.",
-        "How to run it, the stubs and what is expected to differ: "
-        f"[docs/megatron_lm_unit_tests_harness.md]({harness_doc}).",
-        "",
-        "| file | ranks | stock | bits16 | bits4 | bits16 = stock |",
-        "|---|---|---|---|---|---|",
-    ]
-    for test, ranks, res in rows:
-        other = res.get("bits16")
-        same = "-" if other is None else "yes" if (
-            other.keys() == res["stock"].keys() and all(
-                other[k]["outcome"] == v["outcome"] for k, v in res["stock"].items())) else "**no**"
-        lines.append(f"| `{test.split('distributed/', 1)[-1]}` | {ranks} | "
-                     + " | ".join(counts(res[m]) if m in res else "-" for m in MODES)
-                     + f" | {same} |")
-    lines += ["", "## Outcomes that differ from stock", ""]
-    if not diffs:
-        lines.append("None.")
-    by_reason = {}
-    for mode, ranks, test_id, stock, got, message, reason in diffs:
-        by_reason.setdefault((mode, reason), []).append(
-            f"`{test_id.split('distributed/', 1)[-1]}` ({ranks} ranks, {stock} -> {got})"
-            + ("" if reason else f": {message}"))
-    for (mode, reason), tests in by_reason.items():
-        head = f"expected, {reason}" if reason else "**unexpected**"
-        lines.append(f"- {mode}, {len(tests)} outcome{'s' if len(tests) != 1 else ''}, {head}:")
-        lines += [f"  - {t}" for t in tests]
-    return "\n".join(lines) + "\n"
+def write_table(args, name, files, rows, diffs, elapsed, partial=False) -> None:
+    """(Re)write ``args.table`` from the rows so far, sorted by file and rank count."""
+    rows = sorted(rows, key=lambda row: (row[0], row[1]))
+    diffs = sorted(diffs, key=lambda d: (d[0], d[1], d[2]))
+    text = table(name, rows, diffs, elapsed,
+                 os.path.relpath(ROOT / "docs" / "megatron_lm_unit_tests_harness.md",
+                                 Path(args.table).resolve().parent),
+                 None if args.files is None else len(files),
+                 args.dir if args.files is None else None)
+    if partial:
+        text = text.replace("\n\n", f"\n\n**Partial run**: {len(rows)} of "
+                            f"{len(files) * len(args.ranks)} file and rank-count runs so far.\n\n", 1)
+    Path(args.table).write_text(text)
 
 
 def main(argv=None) -> int:
@@ -211,22 +200,26 @@ def main(argv=None) -> int:
                         help="ranks per run (torchrun --nproc-per-node), each in turn")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="stock is always the reference")
+    parser.add_argument("--dir", default=DEFAULT_DIR, help="the test directory (relative to the "
+                        f"checkout; default {DEFAULT_DIR}); its table: "
+                        "docs/megatron_lm_unit_tests_<dir>.md")
     parser.add_argument("--files", nargs="+", help="test files (relative to the checkout); "
-                        "default: every test_*.py under tests/unit_tests/distributed/")
+                        "default: every test_*.py under --dir")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per file and mode "
                         "(each test: LOCO_MLM_TEST_TIMEOUT, default 120)")
     parser.add_argument("--table", default=None, help="where the markdown table goes "
-                        "(default docs/megatron_lm_unit_tests.md; required with --files)")
+                        "(default: the directory's committed table; required with --files)")
     parser.add_argument("--log", default=None, help="every failure's message and the runs' "
                         "output tails (default: beside the table, .log)")
     args = parser.parse_args(argv)
     if "stock" not in args.modes:
         parser.error("--modes must include stock (the reference)")
     args.modes = ["stock"] + [m for m in dict.fromkeys(args.modes) if m != "stock"]
+    args.dir = args.dir.strip("/")
     if args.files and args.table is None:
-        parser.error("--files needs --table PATH: a partial run would replace the committed "
-                     "table docs/megatron_lm_unit_tests.md")
-    args.table = args.table or str(ROOT / "docs" / "megatron_lm_unit_tests.md")
+        parser.error(f"--files needs --table PATH: a partial run would replace the committed "
+                     f"table {default_table(args.dir)}")
+    args.table = args.table or str(ROOT / default_table(args.dir))
     if not Path(args.table).resolve().parent.is_dir():
         parser.error(f"--table {args.table}: its directory does not exist")
     start = time.monotonic()
@@ -238,32 +231,23 @@ def main(argv=None) -> int:
                      f"(paths are relative to it, e.g. "
                      f"tests/unit_tests/distributed/test_param_and_grad_buffer.py)")
         files = args.files or sorted(str(p.relative_to(checkout)) for p in
-                                     (checkout / "tests/unit_tests/distributed").rglob("test_*.py"))
+                                     (checkout / args.dir).rglob("test_*.py"))
         rows, diffs = [], []
         log_path = args.log or str(Path(args.table).with_suffix(".log"))
+        name = args.tag or Path(checkout).name
         with open(log_path, "w") as log:
-            for test in files:
-                for ranks in args.ranks:
+            # every file at the first rank count, then at the next: a run stopped early (time)
+            # has whole rank counts; the table is rewritten after each file, marked partial
+            for ranks in args.ranks:
+                for test in files:
                     res = {m: run_file(checkout, test, m, ranks, args.timeout, log)
                            for m in args.modes}
                     rows.append((test, ranks, res))
-                    for mode in args.modes[1:]:
-                        for test_id in sorted(set(res["stock"]) | set(res[mode])):
-                            a = res["stock"].get(test_id, {}).get("outcome", "absent")
-                            b = res[mode].get(test_id, {}).get("outcome", "absent")
-                            if a != b:
-                                message = res[mode].get(test_id, {}).get("message", "")
-                                reason = (expected_reason(test_id, message)
-                                          if mode == "bits4" else None)
-                                diffs.append((mode, ranks, test_id, a, b, message, reason))
+                    diffs += compare(res, args.modes, ranks)
                     print(f"{test} ranks={ranks}: " + ", ".join(
                         f"{m} {counts(res[m])}" for m in args.modes), flush=True)
-        name = args.tag or Path(checkout).name
-        text = table(name, rows, diffs, time.monotonic() - start,
-                     os.path.relpath(HERE.parents[1] / "docs" / "megatron_lm_unit_tests_harness.md",
-                                     Path(args.table).resolve().parent),
-                     None if args.files is None else len(files))
-        Path(args.table).write_text(text)
+                    write_table(args, name, files, rows, diffs, time.monotonic() - start,
+                                partial=len(rows) < len(files) * len(args.ranks))
     print(f"table written to {args.table}")
     bad = [d for d in diffs if d[0] == "bits16" or d[6] is None]
     return 1 if bad else 0
