@@ -35,10 +35,6 @@ for a in "$@"; do
   esac
 done
 
-# Bad --loco-* values, and settings the ranks would refuse, fail here, in a second, before the
-# corpus is prepared or ranks start (the defaults below include --use-distributed-optimizer).
-"$PY" -m loco_megatron.cli.preflight --use-distributed-optimizer "$@" || exit 2
-
 user_data=0 loco_default=(--loco-bits 4)
 for a in "$@"; do
   # (any of Megatron's data flags: with the default corpus's --data-path added, Megatron would
@@ -50,15 +46,6 @@ for a in "$@"; do
   # would then count as yours and beat the YAML's loco: section.
   case "$a" in --yaml-cfg|--yaml-cfg=*) loco_default=() ;; esac
 done
-data_args=()
-if [ "$user_data" = 0 ]; then
-  echo "run_pretrain.sh: preparing the default corpus (cached after the first run)" >&2
-  line=$("$PY" -m loco_megatron.data.prepare | tail -n 1)
-  eval "$line"   # sets DATA_PREFIX and TOKENIZER_DIR
-  data_args=(--data-path "$DATA_PREFIX" --tokenizer-type HuggingFaceTokenizer
-             --tokenizer-model "$TOKENIZER_DIR")
-fi
-
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 ngpu=${GPUS_PER_NODE:-$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)}
@@ -73,6 +60,21 @@ else
   hw_args=(--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
            --use-cpu-initialization --no-masked-softmax-fusion --no-bias-gelu-fusion --no-bias-swiglu-fusion
            --no-bias-dropout-fusion --no-rope-fusion --no-persist-layer-norm)
+fi
+
+# Bad --loco-* values, and settings the ranks would refuse, fail here, in a second, before the
+# corpus is prepared or ranks start, with the ranks' own line: the preflight sees the defaults
+# LoCo's checks read (--use-distributed-optimizer, the default --loco-bits) and the world size.
+WORLD_SIZE=$((NPROC * NNODES)) "$PY" -m loco_megatron.cli.preflight --use-distributed-optimizer \
+  ${loco_default[@]+"${loco_default[@]}"} "$@" || exit 2
+
+data_args=()
+if [ "$user_data" = 0 ]; then
+  echo "run_pretrain.sh: preparing the default corpus (cached after the first run)" >&2
+  line=$("$PY" -m loco_megatron.data.prepare | tail -n 1)
+  eval "$line"   # sets DATA_PREFIX and TOKENIZER_DIR
+  data_args=(--data-path "$DATA_PREFIX" --tokenizer-type HuggingFaceTokenizer
+             --tokenizer-model "$TOKENIZER_DIR")
 fi
 
 # Megatron asserts this for tensor parallelism on pre-Blackwell GPUs (and under the emulation).

@@ -146,8 +146,12 @@ def preparse_loco_config(argv) -> LoCoConfig:
         # the file may hold a yaml_cfg key itself (Megatron's load_yaml overwrites it)
         config = config_from_args(SimpleNamespace(**{**{str(k): v for k, v in data.items()},
                                                      "yaml_cfg": known.yaml_cfg}), argv)
-        known = SimpleNamespace(**{**vars(known), **{str(k): v for k, v in data.items()
-                                                     if hasattr(known, str(k))}})
+        flat = {str(k): v for k, v in data.items() if not isinstance(v, dict)}
+        for section, values in data.items():  # Megatron's nested sections (model_parallel: ...)
+            if isinstance(values, dict) and section != "loco":
+                flat.update({str(k): v for k, v in values.items() if not isinstance(v, dict)})
+        known = SimpleNamespace(**{**vars(known), **{k: v for k, v in flat.items()
+                                                     if hasattr(known, k)}})
     else:
         config = config_from_args(known)
     _check_fsdp(known, config)

@@ -14,12 +14,14 @@ Two things are wrapped or provided here:
 
 ``DistributedDataParallel.load_state_dict`` (megatron/core/distributed/data_parallel_base.py)
     the path of every Megatron-LM model load (``torch`` and ``torch_dist`` formats) and of an
-    in-process ``model.load_state_dict``: after it returns, the main parameters of the model's
-    differenced buckets are copied from the loaded model parameters, as
-    ``DistributedOptimizer._copy_model_params_to_main_params`` does, and those buckets are
-    all-gathered exactly before their next difference (pending differences are dropped). A
-    full resume loads the optimizer right after and overwrites the main parameters with the
-    saved exact values.
+    in-process ``model.load_state_dict``. Before it, differences still pending (encoded at the
+    last optimizer step, not yet all-gathered) are all-gathered and applied, as stock's pending
+    all-gather would deliver that step. After it, the main parameters of the parameters the load
+    changed (two checksums of their bits per parameter, before and after) are copied from them,
+    as ``DistributedOptimizer._copy_model_params_to_main_params`` does, and their buckets are
+    all-gathered exactly before their next difference; parameters a partial load
+    (``strict=False``) did not touch keep their exact main values. A full resume loads the
+    optimizer right after and overwrites the main parameters with the saved exact values.
 :func:`gather_loaded_params`
     a checkpoint saved with ``--loco-param-bits`` holds ``held`` as the model's parameters and
     the exact ``main`` in the optimizer state. Resumed without the flag, stock megatron-core
@@ -40,50 +42,92 @@ from . import compat
 from .param_sync import GROUP_PAIRS, _bucket_of
 
 
-def refresh_main_params(opt, keys: Set) -> int:
-    """Copy the model parameters of the buckets in ``keys`` into ``opt``'s main parameters (the
+def refresh_main_params(opt, params) -> Set:
+    """Copy the model parameters ``params`` (a set of ``id``) into ``opt``'s main parameters (the
     rank's own shard of each, cast to fp32), as megatron-core's
     ``DistributedOptimizer._copy_model_params_to_main_params`` does for all of them. Returns
-    the elements copied."""
-    copied = 0
+    the keys of the buckets holding them."""
+    keys = set()
     for shard_attr, model_attr in GROUP_PAIRS:
         for shard_group, model_group in zip(getattr(opt, shard_attr), getattr(opt, model_attr)):
             for main, param in zip(shard_group, model_group):
-                if getattr(_bucket_of(opt, param), "loco_key", None) not in keys:
+                if id(param) not in params:
                     continue
                 rng = opt._get_model_param_range_map(param)["param"]
                 main.data.copy_(param.detach().view(-1)[rng.start:rng.end])
-                copied += main.numel()
-    return copied
+                keys.add(getattr(_bucket_of(opt, param), "loco_key", None))
+    return keys
 
 
-def model_loaded(state, ddp) -> Set:
-    """``ddp``'s parameters were loaded: refresh the main parameters of its differenced buckets
-    from them and resynchronise those buckets exactly. Returns the bucket keys concerned."""
+def _differenced(state, ddp):
+    """``(entries, parameters)`` of ``ddp``'s buckets with weight differences."""
     sync = state.param_sync
-    keys = {bucket.loco_key for buffer in compat.ddp_buffers(ddp) for bucket in buffer.buckets
-            if sync.entry(bucket) is not None}
-    if not keys:
-        return keys
-    with torch.no_grad():
-        for ref in list(sync.optimizers):
-            opt = ref()
-            if opt is None:
-                sync.optimizers.remove(ref)
-            else:
-                refresh_main_params(opt, keys)
-    sync.invalidate(keys)
+    entries = [e for buffer in compat.ddp_buffers(ddp) for bucket in buffer.buckets
+               for e in [sync.entry(bucket)] if e is not None]
+    params = [p for e in entries for p in e.bucket.params]
+    return entries, params
+
+
+def _fingerprints(params) -> torch.Tensor:
+    """int64 ``[len(params), 2]``: two checksums of each parameter's bits (their sum and an
+    index-weighted sum), to tell which parameters a load changed without copying them."""
+    rows = []
+    for p in params:
+        flat = p.detach().reshape(-1)
+        bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32,
+                          8: torch.int64}[flat.element_size()]).to(torch.int64)
+        weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+        rows.append(torch.stack([bits.sum(), (bits * weights).sum()]))
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
+
+
+def model_loaded(state, ddp, before: torch.Tensor, params) -> Set:
+    """``ddp``'s parameters were loaded: the main parameters of those the load changed
+    (``before``: their :func:`_fingerprints` before it) are refreshed from them, and their
+    buckets are all-gathered exactly before the next difference. Returns those buckets' keys."""
+    sync = state.param_sync
+    changed = (_fingerprints(params) != before).any(dim=1).tolist()
+    loaded = {id(p) for p, c in zip(params, changed) if c}
+    keys = set()
+    if loaded:
+        with torch.no_grad():
+            for ref in list(sync.optimizers):
+                opt = ref()
+                if opt is None:
+                    sync.optimizers.remove(ref)
+                else:
+                    keys |= refresh_main_params(opt, loaded)
+        sync.invalidate(keys)
     return keys
 
 
 def _wrap_ddp_load_state_dict(orig, state):
     @functools.wraps(orig)
     def load_state_dict(self, *args, **kwargs):
+        if state.param_sync is None:
+            return orig(self, *args, **kwargs)
+        entries, params = _differenced(state, self)
+        for e in entries:  # differences still pending reach every replica first, as stock's
+            state.param_sync.gather(e, async_op=False)  # all-gather would (all ranks load)
+        before = _fingerprints(params)
         result = orig(self, *args, **kwargs)
-        if state.param_sync is not None:
-            model_loaded(state, self)
+        model_loaded(state, self, before, params)
         return result
     return load_state_dict
+
+
+def agreed(opt, marked: bool) -> bool:
+    """True on every rank of ``opt``'s DP group when ``marked`` is on any (one all-reduce at a
+    checkpoint load): ranks that read different LoCo files (expert parallelism) still take the
+    collective :func:`gather_loaded_params` together."""
+    group = opt.data_parallel_group
+    if group.size() <= 1:
+        return False
+    device = next((b.param_data.device for buf in opt.buffers for b in buf.buckets
+                   if b.param_data is not None), torch.device("cpu"))
+    flag = torch.tensor([int(marked)], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def gather_loaded_params(opt) -> int:

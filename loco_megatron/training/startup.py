@@ -162,7 +162,9 @@ def install_from_args(args, emulated: bool):
     except LoCoConfigError as e:
         fail(e)
     if config.bits is None and config.param_bits is None:
-        if not checkpoint_holds_loco_state(getattr(args, "load", None)):
+        if not checkpoint_holds_loco_state(getattr(args, "load", None),
+                                           getattr(args, "ckpt_step", None),
+                                           getattr(args, "non_persistent_global_ckpt_dir", None)):
             log_loco_startup(None, args, emulated)
             return None
         # a checkpoint saved with LoCo: installed off, so that its load keeps the replicas

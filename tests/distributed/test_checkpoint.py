@@ -378,3 +378,24 @@ def test_bucket_size_change_continues_every_buckets_counter(saved, tmp_path):
         logs = res["logs"]
         assert len(logs) == 1 and "cannot be mapped" in logs[0], logs
         assert "--ddp-bucket-size changed" in logs[0], logs
+
+
+def test_param_bits_records_say_only_what_is_true(tmp_path):
+    """At DP 1 (TP 2 on 2 ranks) nothing is saved and a resume with the same settings says
+    nothing; a checkpoint saved with only ``--loco-param-bits`` (DP 2) holds no error state,
+    which a resume with ``--loco-bits 4`` (and the same ``--loco-param-bits``) says as such, not
+    as a changed setting."""
+    both = dict(LOCO4, param_bits=4)
+    dp1, param_only = str(tmp_path / "dp1"), str(tmp_path / "param_only")
+    run_ranks(ckpt_worker, 2, 2, [{"phase": "save", "config": both, "steps": 2,
+                                   "formats": FORMATS, "dir": dp1}])
+    loads = run_ranks(ckpt_worker, 2, 2, [_load(dp1, f, both, 1) for f in FORMATS])
+    assert all(r[i]["logs"] == [] and "error" not in r[i] for r in loads
+               for i in range(len(FORMATS))), loads
+    run_ranks(ckpt_worker, 2, 1, [{"phase": "save", "config": {"param_bits": 4}, "steps": 2,
+                                   "formats": FORMATS, "dir": param_only}])
+    loads = run_ranks(ckpt_worker, 2, 1, [_load(param_only, f, both, 1) for f in FORMATS])
+    for i, fmt in enumerate(FORMATS):
+        logs = [line for r in loads for line in r[i]["logs"]]
+        assert len(logs) == 1 and "holds no error buffers (saved with --loco-bits None" in logs[0], (
+            fmt, logs)

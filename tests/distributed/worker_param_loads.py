@@ -57,3 +57,44 @@ def model_load_worker(rank, world, dtype, reload):
         finally:
             loco_megatron.uninstall()
     return out
+
+
+def partial_load_worker(rank, world):
+    """fp32, ``--overlap-param-gather``: 2 steps, a third whose all-gather waits for the next
+    forward, then ``model.load_state_dict({embedding: its step-0 value}, strict=False)`` and the
+    next forward's all-gather. Per mode: the embedding equals the loaded value, how far every
+    other parameter moved by step 3 (``moved``, fp32 max per tensor), replicas identical."""
+    import loco_megatron
+    from megatron.core import parallel_state as ps
+
+    setup(1, "gloo")
+    out = {}
+    for mode in ("stock", "param4"):
+        if mode == "param4":
+            loco_megatron.install(loco_megatron.LoCoConfig(param_bits=4, block_size=64))
+        try:
+            model, opt = build_gpt(True, 6000, dropout=0.0, overlap_param_gather=True)
+            key = next(k for k in model.state_dict() if k.endswith("word_embeddings.weight"))
+            loaded = model.state_dict()[key].clone()
+            for _ in range(2):
+                forward_backward(model, opt)
+                opt.step()
+            for group in model.bucket_groups:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
+            before = _params(model)
+            forward_backward(model, opt)
+            opt.step()
+            with torch.no_grad():
+                model.load_state_dict({key: loaded}, strict=False)
+            for group in model.bucket_groups:  # what the next forward's pre-hooks do
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
+            after = _params(model)
+            emb = next(n for n in after if n.endswith("word_embeddings.weight"))
+            out[mode] = {"kept": torch.equal(after[emb], loaded.float()),
+                         "moved": {n: float((after[n] - before[n]).abs().max())
+                                   for n in after if n != emb},
+                         "identical": replicas_identical(model.module.parameters(),
+                                                         ps.get_data_parallel_group())}
+        finally:
+            loco_megatron.uninstall()
+    return out

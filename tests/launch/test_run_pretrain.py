@@ -159,6 +159,26 @@ def test_bad_loco_flag_fails_at_startup_naming_it(tmp_path):
     assert "preparing the default corpus" not in out and "ranks, logs" not in out  # at once
 
 
+@pytest.mark.parametrize("nproc,refused", [("2", True), ("1", False)])
+def test_preflight_sees_the_defaults_and_the_world_size(tmp_path, nproc, refused):
+    """--calculate-per-token-loss: refused before anything starts with the script's default
+    --loco-bits 4 at 2 ranks, with the ranks' own line; accepted at 1 rank, where the ranks
+    accept it too (DP size 1: nothing is compressed). LOCO_DRY_RUN stops after the checks."""
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"),
+               NPROC=nproc, LOCO_DRY_RUN="1")
+    proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT,
+                           "--calculate-per-token-loss", "--mock-data", "--tokenizer-type",
+                           "NullTokenizer", "--vocab-size", "128"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    line = "error: --loco-bits cannot be used with --calculate-per-token-loss"
+    if refused:
+        assert proc.returncode == 2 and line in proc.stderr, proc.stderr[-2000:]
+        assert "preparing the default corpus" not in proc.stderr
+    else:
+        assert proc.returncode == 0 and line not in proc.stderr, proc.stderr[-2000:]
+        assert "loco_megatron.training.pretrain_gpt" in proc.stdout
+
+
 def test_unconvertible_loco_value_is_one_line(tmp_path):
     """argparse errors of --loco-* values: one error line, no usage text per rank."""
     env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))

@@ -189,3 +189,29 @@ def test_more_buckets_after_resume_all_continue_the_step_count():
     assert len(notes) == 1 and "not in the checkpoint" in notes[0]
     assert set(fresh.state.compensator.stats.steps.values()) == {3}
     assert len(fresh.state.compensator.stats.steps) == 4
+
+
+def test_which_checkpoint_holds_loco_state(tmp_path):
+    """The launch paths install LoCo off when ``--load`` may resume LoCo state: the iteration
+    the tracker names, ``--ckpt-step`` instead when given, or the non-persistent global
+    checkpoint's tracker (megatron/training/checkpointing.py layout)."""
+    from loco_megatron.megatron.checkpoint.hooks import checkpoint_holds_loco_state
+
+    load = tmp_path / "ckpt"
+    (load / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    (load / "iter_0000002" / "mp_rank_00" / "loco_state_0_dp000.pt").write_bytes(b"x")
+    (load / "iter_0000004" / "mp_rank_00").mkdir(parents=True)
+    (load / "latest_checkpointed_iteration.txt").write_text("4")
+    assert not checkpoint_holds_loco_state(str(load))
+    assert checkpoint_holds_loco_state(str(load), ckpt_step=2)
+    assert not checkpoint_holds_loco_state(str(load), ckpt_step=4)
+    (load / "latest_checkpointed_iteration.txt").write_text("2")
+    assert checkpoint_holds_loco_state(str(load))
+    (load / "latest_checkpointed_iteration.txt").write_text("4")
+    other = tmp_path / "np"
+    (other / "iter_0000005" / "mp_rank_00").mkdir(parents=True)
+    (other / "iter_0000005" / "mp_rank_00" / "loco_state_0_dp001.pt").write_bytes(b"x")
+    (other / "latest_checkpointed_iteration.txt").write_text("5")
+    assert checkpoint_holds_loco_state(str(load), non_persistent_dir=str(other))
+    assert not checkpoint_holds_loco_state(None) and not checkpoint_holds_loco_state(
+        str(tmp_path / "missing"))

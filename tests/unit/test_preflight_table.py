@@ -123,3 +123,21 @@ def test_preflight_and_ranks_agree(flags, refused, monkeypatch, capsys):
         assert "--loco-bits 3" in preflight  # choices on the ranks, LoCoConfig in the preflight
         return
     assert preflight == ranks
+
+
+def test_megatron_yaml_sections_count(tmp_path, monkeypatch):
+    """Megatron-LM's ``--yaml-cfg`` nests the parallel sizes (``model_parallel:``); the preflight
+    reads them there: TP 2 on 2 ranks is DP 1, where plain DDP with LoCo is accepted (nothing
+    is compressed), and TP 1 is refused, as the ranks do (``validate_yaml``'s DP size)."""
+    from loco_megatron.cli.preflight import preparse_loco_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    path = tmp_path / "megatron.yaml"
+    for tp, refused in ((2, False), (1, True)):
+        path.write_text(f"loco_bits: 4\nuse_distributed_optimizer: false\nmodel_parallel:\n"
+                        f"  tensor_model_parallel_size: {tp}\n")
+        if refused:
+            with pytest.raises(LoCoConfigError, match="needs the distributed optimizer"):
+                preparse_loco_config(["--yaml-cfg", str(path)])
+        else:
+            assert preparse_loco_config(["--yaml-cfg", str(path)]).bits == 4

@@ -2,8 +2,10 @@
 
 A failure in stock and a different failure in the same test with the plugin installed are not
 the same result. Messages are compared after :func:`normalise`, which removes only what varies
-between two runs of the same code: memory addresses and object ids, temporary paths, ports,
-pids, durations, and the order of items where it is a set's or a dict's: inside a set or dict
+between two runs of the same code: memory addresses, data pointers and object ids, temporary
+paths, ports, pids, durations, pytest's ``+ where ...`` introspection of intermediate values
+(uninitialised memory prints differently every run; the failing assertion itself is kept), and
+the order of items where it is a set's or a dict's: inside a set or dict
 repr (``{...}``) and in pytest's ``Differing items: {k: v} != {k: v} ...`` list (it iterates
 a set of keys). Everything else must be equal. (run.py also fixes ``PYTHONHASHSEED``, so hash
 order rarely varies at all.)
@@ -20,7 +22,12 @@ _VARYING = [
     (re.compile(r"((?:localhost|\d+\.\d+\.\d+\.\d+|\]):)\d{2,5}\b"), r"\1?"),  # host:port
     (re.compile(r"\b(port)([=: ]+)\d+", re.IGNORECASE), r"\1\2?"),
     (re.compile(r"\b\d+(\.\d+)?(e-?\d+)?\s?(s|ms|us|sec|secs|seconds)\b"), "<time>"),
+    (re.compile(r"\b\d{12,}\b"), "<ptr>"),  # data_ptr() values in decimal
 ]
+#: pytest's introspection after the failing assertion (``+ where x = f(...)``): it prints the
+#: intermediate values, e.g. a ``torch.empty`` tensor's uninitialised memory, which differ
+#: between two runs of the same code; the assertion itself is kept
+_WHERE = re.compile(r" \+ where .*$")
 
 
 def _split_top(body: str):
@@ -74,7 +81,8 @@ def normalise(message: str) -> str:
     """``message`` without what legitimately varies between two runs (module docstring)."""
     for pattern, replacement in _VARYING:
         message = pattern.sub(replacement, message)
-    message = _DIFFERING.sub(_sort_differing, " ".join(message.split()))
+    message = _WHERE.sub("", " ".join(message.split()))
+    message = _DIFFERING.sub(_sort_differing, message)
     return _sort_braces(message).strip()
 
 

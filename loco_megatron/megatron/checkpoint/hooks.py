@@ -59,14 +59,18 @@ def _wrap_load_state_dict(orig, state):
     return load_state_dict
 
 
-def _gather_after_mode_switch(optimizers) -> None:
+def _gather_after_mode_switch(optimizers, agree_first: bool = False) -> None:
     """The checkpoint was saved with ``--loco-param-bits`` and this run gathers parameters as
     stock (marked by :func:`~loco_megatron.megatron.checkpoint.state.apply`): every replica
     takes the loaded main parameters now, not at the first all-gather
-    (:func:`loco_megatron.megatron.param_reload.gather_loaded_params`)."""
+    (:func:`loco_megatron.megatron.param_reload.gather_loaded_params`). ``agree_first``: the
+    ranks read their own files (``torch`` format, where expert parallelism spreads the DP
+    group's files over directories), so the decision is all-reduced first; ``torch_dist`` ranks
+    read one saved record."""
     for opt in optimizers:
-        if getattr(opt, "loco_gather_params_after_load", False):
-            opt.loco_gather_params_after_load = False
+        marked = bool(getattr(opt, "loco_gather_params_after_load", False))
+        opt.loco_gather_params_after_load = False
+        if param_reload.agreed(opt, marked) if agree_first else marked:
             param_reload.gather_loaded_params(opt)
 
 
@@ -113,7 +117,8 @@ def _wrap_load_parameter_state(orig, state, chained: bool):
                     first_error = first_error or e
             if first_error is not None:
                 raise first_error
-        _gather_after_mode_switch([opt for _, opt in _distributed_optimizers(self)])
+        _gather_after_mode_switch([opt for _, opt in _distributed_optimizers(self)],
+                                  agree_first=True)
         return result
     return load_parameter_state
 
@@ -132,24 +137,32 @@ def _wrap_dist_load(orig, state):
     return load
 
 
-def checkpoint_holds_loco_state(load_dir) -> bool:
-    """Whether the checkpoint Megatron-LM's ``--load load_dir`` resumes from (the iteration its
-    ``latest_checkpointed_iteration.txt`` names) holds LoCo state: LoCo files next to the
-    ``torch`` format's optimizer files, or LoCo keys in a ``torch_dist`` checkpoint's metadata.
-    False when there is no such checkpoint. Megatron-LM's layout: megatron/training/
-    checkpointing.py (``get_checkpoint_tracker_filename``, ``get_checkpoint_name``)."""
-    import glob
+def checkpoint_holds_loco_state(load_dir, ckpt_step=None, non_persistent_dir=None) -> bool:
+    """Whether a checkpoint Megatron-LM's ``--load load_dir`` may resume from holds LoCo state:
+    LoCo files next to the ``torch`` format's optimizer files, or LoCo keys in a ``torch_dist``
+    checkpoint's metadata. The candidates: iteration ``ckpt_step`` (``--ckpt-step``) when given,
+    else the iterations the trackers name (``latest_checkpointed_iteration.txt`` of ``load_dir``,
+    and of the non-persistent global checkpoints: ``non_persistent_dir``, default
+    ``load_dir/non_persistent``). False when there is none. Megatron-LM's layout:
+    megatron/training/checkpointing.py (``get_checkpoint_tracker_filename``,
+    ``get_checkpoint_name``, ``_get_non_persistent_iteration``)."""
     import os
 
     if not load_dir:
         return False
-    try:
-        with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
-            tag = f.read().strip()
-    except OSError:
-        return False
-    iter_dir = os.path.join(load_dir, "release" if tag == "release" else f"iter_{int(tag):07d}"
-                            if tag.isdigit() else tag)
+    if ckpt_step is not None:
+        iter_dirs = [os.path.join(load_dir, f"iter_{int(ckpt_step):07d}")]
+    else:
+        iter_dirs = [d for base in (load_dir, non_persistent_dir
+                                    or os.path.join(load_dir, "non_persistent"))
+                     for d in [_tracked_iteration(base)] if d is not None]
+    return any(_iteration_holds_loco_state(d) for d in iter_dirs)
+
+
+def _iteration_holds_loco_state(iter_dir: str) -> bool:
+    import glob
+    import os
+
     if glob.glob(os.path.join(glob.escape(iter_dir), "mp_rank_*", "loco_state_*.pt")):
         return True
     if not os.path.exists(os.path.join(iter_dir, ".metadata")):
@@ -159,6 +172,19 @@ def checkpoint_holds_loco_state(load_dir) -> bool:
     except Exception:  # noqa: BLE001 - not a readable torch_dist checkpoint: Megatron will say
         return False
     return any(dist_format.LOCO_KEY.search(v.key) for v in saved.values())
+
+
+def _tracked_iteration(base: str):
+    """The iteration directory ``base``'s tracker file names, or None."""
+    import os
+
+    try:
+        with open(os.path.join(base, "latest_checkpointed_iteration.txt")) as f:
+            tag = f.read().strip()
+    except OSError:
+        return None
+    return os.path.join(base, "release" if tag == "release"
+                        else f"iter_{int(tag):07d}" if tag.isdigit() else tag)
 
 
 def forget_pending_loads() -> None:

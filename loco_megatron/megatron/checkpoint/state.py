@@ -372,6 +372,13 @@ def _apply(view: OptimizerLoCo, meta, exact, sums, source: str,
         return
     validate_meta(meta, data_file)
     saved_fp, saved = meta["fingerprint"], meta["buckets"]
+    if saved_setting(saved_fp, "bits") not in COMPRESSED_BITS:  # --loco-param-bits only
+        for ref in view.buckets:
+            reset(ref)
+        note(logging.WARNING, f"LoCo: {source} holds no error buffers (saved with --loco-bits "
+                              f"{saved_setting(saved_fp, 'bits')}: the --loco-param-bits record "
+                              f"only); error buffers start from zero")
+        return
     # resets stay on the same optimizer steps. Every bucket counts one per optimizer step, so
     # the counter is the step itself: a new bucket (another --ddp-bucket-size) continues it too
     step = max((int(b.get("step", 0)) for b in saved.values() if isinstance(b, dict)), default=0)
@@ -459,16 +466,20 @@ def _param_mode_switch(view: OptimizerLoCo, meta, source: str, note) -> None:
     optimizer is marked for one exact all-gather of its fp32 parameters after the load
     (:func:`loco_megatron.megatron.param_reload.gather_loaded_params`; the checkpoint hooks run
     it); the other way round the first all-gather is exact anyway. One line each."""
+    if view.dp_size == 1:
+        return  # one replica: nothing is gathered, nothing was recorded
     saved_fp = meta.get("fingerprint") if isinstance(meta, dict) else None
     saved = saved_setting(saved_fp, "param_bits") if isinstance(saved_fp, dict) else None
     saved_on = saved in COMPRESSED_BITS
-    if saved_on and not view.state.param_active:
-        view.optimizer.loco_gather_params_after_load = True
-        note(logging.WARNING, f"LoCo: {source} was saved with --loco-param-bits {saved} and is "
-                              f"resumed without it: fp32 parameters are all-gathered exactly "
-                              f"once from the loaded main parameters, so every replica holds "
-                              f"them")
-    elif view.state.param_active and not saved_on:
+    unread = isinstance(meta, dict) and meta.get("unread")
+    if (saved_on or unread) and not view.state.param_active:
+        view.optimizer.loco_gather_params_after_load = True  # agreed over the DP group
+        if saved_on:
+            note(logging.WARNING, f"LoCo: {source} was saved with --loco-param-bits {saved} and "
+                                  f"is resumed without it: fp32 parameters are all-gathered "
+                                  f"exactly once from the loaded main parameters, so every "
+                                  f"replica holds them")
+    elif view.state.param_active and isinstance(saved_fp, dict) and not saved_on:
         note(logging.WARNING, f"LoCo: {source} was saved without --loco-param-bits: the "
                            f"parameters are all-gathered exactly once before the first weight "
                            f"difference")

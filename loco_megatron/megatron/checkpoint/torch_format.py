@@ -151,7 +151,9 @@ def load(view: OptimizerLoCo, filename: str, index: int) -> List[str]:
     except ValueError:
         if view.state.active:
             raise
-        meta = {"forms": ["unread"]}  # LoCo off ignores the file's content, as stock does
+        # LoCo off ignores the error buffers, as stock does; whether the parameter all-gather
+        # sent weight differences is unknown, so the parameters are gathered exactly
+        meta = {"forms": ["unread"], "unread": True}
     if not view.state.active:  # the record only (warnings, --loco-param-bits switches)
         return view.load_state_dict({"meta": meta}, source)
     exact = sums = None
