@@ -106,10 +106,9 @@ def _wrap_load_parameter_state(orig, state, chained: bool):
         with agree.load_round():  # every rank: one decision (checkpoint.agree)
             result = orig(self, filename, *args, **kwargs)
             _parameters_loaded(state)
-            if chained and len(self.chained_optimizers) == 1:
-                return result
             first_error = None
-            for index, opt in _distributed_optimizers(self):
+            delegated = chained and len(self.chained_optimizers) == 1
+            for index, opt in [] if delegated else _distributed_optimizers(self):
                 view = OptimizerLoCo(opt, state)
                 try:  # each load starts with a collective over its DP group: a rank that
                     torch_format.load(view, filename, index)  # failed still joins the next ones
@@ -117,8 +116,9 @@ def _wrap_load_parameter_state(orig, state, chained: bool):
                     first_error = first_error or e
             if first_error is not None:
                 raise first_error
-        _gather_after_mode_switch([opt for _, opt in _distributed_optimizers(self)],
-                                  agree_first=True)
+        if not agree.in_round():  # the outermost load, decided on every rank: collectives now
+            _gather_after_mode_switch([opt for _, opt in _distributed_optimizers(self)],
+                                      agree_first=True)
         return result
     return load_parameter_state
 
