@@ -3,12 +3,29 @@
 DDP model (``model.load_state_dict``, with or without ``optimizer.reload_model_params()``), the
 next all-gather and one more step."""
 
+import contextlib
+
 import torch
 
 from .worker_megatron import build_gpt, forward_backward, setup
 from .worker_param_gather import replicas_identical
 
 STEPS = 3
+MODES = ("stock", "param4")
+
+
+@contextlib.contextmanager
+def _installed(mode):
+    """``stock``: megatron-core alone; ``param4``: ``--loco-param-bits 4`` (block 64) for the
+    block, uninstalled when it ends."""
+    import loco_megatron
+
+    if mode == "param4":
+        loco_megatron.install(loco_megatron.LoCoConfig(param_bits=4, block_size=64))
+    try:
+        yield
+    finally:
+        loco_megatron.uninstall()
 
 
 def _params(model):
@@ -21,16 +38,13 @@ def model_load_worker(rank, world, dtype, reload):
     ``loaded_kept`` (after the load and the next all-gather every parameter equals the loaded
     one), ``identical`` (replicas bit-identical then and after the next step), ``after`` (the
     parameters after that step, fp32) and ``trained`` (before the load)."""
-    import loco_megatron
     from megatron.core import parallel_state as ps
 
     setup(1, "gloo")
     params_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     out = {}
-    for mode in ("stock", "param4"):
-        if mode == "param4":
-            loco_megatron.install(loco_megatron.LoCoConfig(param_bits=4, block_size=64))
-        try:
+    for mode in MODES:
+        with _installed(mode):
             model, opt = build_gpt(False, 6000, dropout=0.0, params_dtype=params_dtype)
             snap = {k: v.clone() if torch.is_tensor(v) else v
                     for k, v in model.state_dict().items()}
@@ -54,8 +68,6 @@ def model_load_worker(rank, world, dtype, reload):
             identical.append(replicas_identical(model.module.parameters(), group))
             out[mode] = {"loaded_kept": kept, "identical": identical, "after": _params(model),
                          "trained": trained, "loaded": loaded}
-        finally:
-            loco_megatron.uninstall()
     return out
 
 
@@ -64,15 +76,12 @@ def partial_load_worker(rank, world):
     forward, then ``model.load_state_dict({embedding: its step-0 value}, strict=False)`` and the
     next forward's all-gather. Per mode: the embedding equals the loaded value, how far every
     other parameter moved by step 3 (``moved``, fp32 max per tensor), replicas identical."""
-    import loco_megatron
     from megatron.core import parallel_state as ps
 
     setup(1, "gloo")
     out = {}
-    for mode in ("stock", "param4"):
-        if mode == "param4":
-            loco_megatron.install(loco_megatron.LoCoConfig(param_bits=4, block_size=64))
-        try:
+    for mode in MODES:
+        with _installed(mode):
             model, opt = build_gpt(True, 6000, dropout=0.0, overlap_param_gather=True)
             key = next(k for k in model.state_dict() if k.endswith("word_embeddings.weight"))
             loaded = model.state_dict()[key].clone()
@@ -95,6 +104,4 @@ def partial_load_worker(rank, world):
                                    for n in after if n != emb},
                          "identical": replicas_identical(model.module.parameters(),
                                                          ps.get_data_parallel_group())}
-        finally:
-            loco_megatron.uninstall()
     return out
