@@ -14,14 +14,21 @@ Two things are wrapped or provided here:
 
 ``DistributedDataParallel.load_state_dict`` (megatron/core/distributed/data_parallel_base.py)
     the path of every Megatron-LM model load (``torch`` and ``torch_dist`` formats) and of an
-    in-process ``model.load_state_dict``. Before it, differences still pending (encoded at the
-    last optimizer step, not yet all-gathered) are all-gathered and applied, as stock's pending
-    all-gather would deliver that step. After it, the main parameters of the parameters the load
-    changed (two checksums of their bits per parameter, before and after) are copied from them,
-    as ``DistributedOptimizer._copy_model_params_to_main_params`` does, and their buckets are
-    all-gathered exactly before their next difference; parameters a partial load
-    (``strict=False``) did not touch keep their exact main values. A full resume loads the
-    optimizer right after and overwrites the main parameters with the saved exact values.
+    in-process ``model.load_state_dict``. After it, the main parameters of the parameters
+    changed since the load began (two checksums of their bits per parameter, :func:`snapshot`)
+    are copied from them, as ``DistributedOptimizer._copy_model_params_to_main_params`` does,
+    and their buckets are all-gathered exactly before their next difference; parameters a
+    partial load (``strict=False``) did not touch keep their exact main values. A full resume
+    loads the optimizer right after and overwrites the main parameters with the saved exact
+    values.
+:func:`snapshot`
+    the start of a load: the checkpoint hooks' wrapped ``dist_checkpointing.load`` (the
+    ``torch_dist`` format loads the model's tensors in place, before the model's
+    ``load_state_dict`` is called) or the model's ``load_state_dict``, whichever comes first.
+    Differences still pending (encoded at the last optimizer step, not yet all-gathered) are
+    all-gathered and applied first, as stock's pending all-gather would deliver that step, then
+    the checksums are taken. The snapshot lasts until the next weight difference is encoded,
+    so several loads in between (model chunks, a retried load) compare against it.
 :func:`gather_loaded_params`
     a checkpoint saved with ``--loco-param-bits`` holds ``held`` as the model's parameters and
     the exact ``main`` in the optimizer state. Resumed without the flag, stock megatron-core
@@ -59,13 +66,15 @@ def refresh_main_params(opt, params) -> Set:
     return keys
 
 
-def _differenced(state, ddp):
-    """``(entries, parameters)`` of ``ddp``'s buckets with weight differences."""
+def _differenced(state, ddp) -> list:
+    """The parameters of ``ddp``'s buckets with weight differences."""
     sync = state.param_sync
-    entries = [e for buffer in compat.ddp_buffers(ddp) for bucket in buffer.buckets
-               for e in [sync.entry(bucket)] if e is not None]
-    params = [p for e in entries for p in e.bucket.params]
-    return entries, params
+    return [p for buffer in compat.ddp_buffers(ddp) for bucket in buffer.buckets
+            if sync.entry(bucket) is not None for p in bucket.params]
+
+
+#: elements checksummed at a time (bounds the int64 temporaries of a large parameter)
+_CHUNK = 1 << 24
 
 
 def _fingerprints(params) -> torch.Tensor:
@@ -75,18 +84,41 @@ def _fingerprints(params) -> torch.Tensor:
     for p in params:
         flat = p.detach().reshape(-1)
         bits = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32,
-                          8: torch.int64}[flat.element_size()]).to(torch.int64)
-        weights = torch.arange(bits.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
-        rows.append(torch.stack([bits.sum(), (bits * weights).sum()]))
+                          8: torch.int64}[flat.element_size()])
+        row = torch.zeros(2, dtype=torch.int64, device=bits.device)
+        for start in range(0, bits.numel(), _CHUNK):
+            part = bits[start:start + _CHUNK].to(torch.int64)
+            weights = (torch.arange(start, start + part.numel(), device=bits.device,
+                                    dtype=torch.int64) % 65521 + 1)
+            row += torch.stack([part.sum(), (part * weights).sum()])
+        rows.append(row)
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.int64)
 
 
-def model_loaded(state, ddp, before: torch.Tensor, params) -> Set:
-    """``ddp``'s parameters were loaded: the main parameters of those the load changed
-    (``before``: their :func:`_fingerprints` before it) are refreshed from them, and their
-    buckets are all-gathered exactly before the next difference. Returns those buckets' keys."""
+def snapshot(state) -> None:
+    """A load begins on every rank of the DP groups (a collective when differences are
+    pending): all-gather and apply the pending differences of every differenced bucket, then
+    keep the :func:`_fingerprints` of their parameters in ``state.param_sync.load_snapshot``
+    (``{id(param): [2] int64}``), unless a snapshot is already held (a load since the last
+    encoded difference: the earlier one is the reference)."""
+    sync = getattr(state, "param_sync", None)
+    if sync is None or sync.load_snapshot is not None:
+        return
+    entries = list(sync.buckets.values())
+    for e in entries:  # differences still pending reach every replica first, as stock's
+        sync.gather(e, async_op=False)  # all-gather would (all ranks load)
+    params = [p for e in entries for p in e.bucket.params]
+    sync.load_snapshot = dict(zip(map(id, params), _fingerprints(params)))
+
+
+def model_loaded(state, ddp, params) -> Set:
+    """``ddp``'s parameters ``params`` (its differenced ones) were loaded: the main parameters
+    of those changed since the :func:`snapshot` are refreshed from them, and their buckets are
+    all-gathered exactly before the next difference. Returns those buckets' keys."""
     sync = state.param_sync
-    changed = (_fingerprints(params) != before).any(dim=1).tolist()
+    after = _fingerprints(params)
+    changed = [not torch.equal(sync.load_snapshot[id(p)], row) if id(p) in sync.load_snapshot
+               else True for p, row in zip(params, after)]
     loaded = {id(p) for p, c in zip(params, changed) if c}
     keys = set()
     if loaded:
@@ -106,12 +138,9 @@ def _wrap_ddp_load_state_dict(orig, state):
     def load_state_dict(self, *args, **kwargs):
         if state.param_sync is None:
             return orig(self, *args, **kwargs)
-        entries, params = _differenced(state, self)
-        for e in entries:  # differences still pending reach every replica first, as stock's
-            state.param_sync.gather(e, async_op=False)  # all-gather would (all ranks load)
-        before = _fingerprints(params)
+        snapshot(state)
         result = orig(self, *args, **kwargs)
-        model_loaded(state, self, before, params)
+        model_loaded(state, self, _differenced(state, self))
         return result
     return load_state_dict
 

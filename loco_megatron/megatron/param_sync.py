@@ -77,6 +77,9 @@ class ParamSync:
         optimizers: weak references to the distributed optimizers holding differenced buckets
             (their main parameters are refreshed after a model load:
             :mod:`loco_megatron.megatron.param_reload`).
+        load_snapshot: ``{id(param): checksums}`` taken when a load began
+            (:func:`loco_megatron.megatron.param_reload.snapshot`); None again once the next
+            difference is encoded.
     """
 
     def __init__(self, config: LoCoConfig):
@@ -88,6 +91,7 @@ class ParamSync:
         self.fp32_copies = 0
         self.optimizers: List[weakref.ref] = []
         self.timers = None
+        self.load_snapshot = None
         #: bucket key -> scales of the last difference this rank encoded (the bound's step)
         self.last_scales: Dict[Hashable, torch.Tensor] = {}
 
@@ -143,6 +147,7 @@ class ParamSync:
         ``--overlap-param-gather``) is all-gathered and applied first, on every rank of the
         group: they all reach this step."""
         key = e.bucket.loco_key
+        self.load_snapshot = None  # a load from now on compares against the state it finds
         if key in self.pending:
             self.gather(e, async_op=False)
         own, bits = e.own(), self.config.param_bits

@@ -248,19 +248,24 @@ def test_startup_warns_when_differences_outweigh_the_parameters(capsys):
     assert "WARNING" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("reload", [True, False], ids=["reload", "no_reload"])
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_in_process_model_load_keeps_the_loaded_weights(run_ranks, dtype, reload):
+@pytest.mark.parametrize("dtype,reload,via", [
+    ("fp32", True, "state_dict"), ("fp32", False, "state_dict"), ("bf16", True, "state_dict"),
+    ("bf16", False, "state_dict"), ("fp32", False, "dist_checkpointing")])
+def test_in_process_model_load_keeps_the_loaded_weights(run_ranks, tmp_path, dtype, reload, via):
     """``model.load_state_dict`` of the step-0 state after 3 steps, with or without
     ``optimizer.reload_model_params()``: after the next all-gather every parameter is the loaded
     one on every replica, and one more step moves it one Adam step from there, as stock
     megatron-core (always given ``reload_model_params``) does: per tensor, at most half the
     distance the 3 training steps covered (plus one ulp of the parameter dtype). Before, fp32
-    main copies kept the trained values and that step jumped back past them."""
+    main copies kept the trained values and that step jumped back past them.
+    ``dist_checkpointing``: the ``torch_dist`` format's load, which writes the model's tensors
+    in place before ``model.load_state_dict`` sees them (a load told apart by comparing with the
+    tensors as they were then missed every parameter)."""
     from .worker_param_loads import model_load_worker
 
     eps = torch.finfo(torch.bfloat16 if dtype == "bf16" else torch.float32).eps
-    for res in run_ranks(model_load_worker, 2, dtype, reload):
+    dist_dir = str(tmp_path) if via == "dist_checkpointing" else None
+    for res in run_ranks(model_load_worker, 2, dtype, reload, dist_dir):
         for mode in ("stock", "param4"):
             run = res[mode]
             assert run["loaded_kept"] and all(run["identical"]), (mode, run["identical"])

@@ -4,6 +4,7 @@ DDP model (``model.load_state_dict``, with or without ``optimizer.reload_model_p
 next all-gather and one more step."""
 
 import contextlib
+import os
 
 import torch
 
@@ -32,12 +33,23 @@ def _params(model):
     return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
 
 
-def model_load_worker(rank, world, dtype, reload):
+def _dist_load(model, path):
+    """Megatron-LM's ``torch_dist`` model load: ``dist_checkpointing.load`` of the model's
+    sharded state dict (its tensors loaded in place), then ``model.load_state_dict``."""
+    from megatron.core import dist_checkpointing
+
+    model.load_state_dict(dist_checkpointing.load(model.module.sharded_state_dict(), path))
+
+
+def model_load_worker(rank, world, dtype, reload, dist_dir=None):
     """Per mode (``stock``: megatron-core alone, always with ``reload_model_params`` as
     Megatron-LM calls it; ``param4``: ``--loco-param-bits 4``, with ``reload`` as given):
     ``loaded_kept`` (after the load and the next all-gather every parameter equals the loaded
     one), ``identical`` (replicas bit-identical then and after the next step), ``after`` (the
-    parameters after that step, fp32) and ``trained`` (before the load)."""
+    parameters after that step, fp32) and ``trained`` (before the load). ``dist_dir``: the
+    step-0 state is saved with ``dist_checkpointing`` there and loaded as Megatron-LM's
+    ``torch_dist`` format does (:func:`_dist_load`), else ``model.load_state_dict`` of a copy."""
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
     setup(1, "gloo")
@@ -49,12 +61,18 @@ def model_load_worker(rank, world, dtype, reload):
             snap = {k: v.clone() if torch.is_tensor(v) else v
                     for k, v in model.state_dict().items()}
             loaded = _params(model)
+            path = f"{dist_dir}/{mode}" if dist_dir else None
+            if path:
+                if rank == 0:
+                    os.makedirs(path)
+                torch.distributed.barrier()
+                dist_checkpointing.save(model.module.sharded_state_dict(), path)
             for _ in range(STEPS):
                 forward_backward(model, opt)
                 opt.step()
             trained = _params(model)
             with torch.no_grad():
-                model.load_state_dict(snap)
+                _dist_load(model, path) if path else model.load_state_dict(snap)
             if mode == "stock" or reload:
                 opt.reload_model_params()
             model.start_param_sync(force_sync=True)  # what the next forward's hooks do

@@ -6,7 +6,8 @@ calls:
 
 ==========================================================  =====================================
 ``DistributedOptimizer.sharded_state_dict``                 adds the ``"loco"`` entry (torch_dist)
-``dist_checkpointing.load``                                 resolves and applies LoCo entries
+``dist_checkpointing.load``                                 resolves and applies LoCo entries;
+                                                            a load's parameter checksums first
 ``DistributedOptimizer.load_state_dict``                    applies a loaded ``"loco"`` entry
 ``DistributedOptimizer.save_parameter_state`` / ``load_``   per-rank LoCo files (torch format)
 ``ChainedOptimizer.save_parameter_state`` / ``load_``       the same, for several optimizers
@@ -126,6 +127,7 @@ def _wrap_load_parameter_state(orig, state, chained: bool):
 def _wrap_dist_load(orig, state):
     @functools.wraps(orig)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        param_reload.snapshot(state)  # the model's tensors are loaded in place: before them
         if not dist_format.resolve_requests(sharded_state_dict, checkpoint_dir):
             return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         # every rank: the LoCo entries applied at once, one decision (checkpoint.agree)

@@ -479,7 +479,7 @@ def _param_mode_switch(view: OptimizerLoCo, meta, source: str, note) -> None:
                                   f"is resumed without it: fp32 parameters are all-gathered "
                                   f"exactly once from the loaded main parameters, so every "
                                   f"replica holds them")
-    elif view.state.param_active and isinstance(saved_fp, dict) and not saved_on:
+    elif view.state.param_active and not saved_on and not unread:
         note(logging.WARNING, f"LoCo: {source} was saved without --loco-param-bits: the "
                            f"parameters are all-gathered exactly once before the first weight "
                            f"difference")
