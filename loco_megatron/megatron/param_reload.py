@@ -22,9 +22,11 @@ Two things are wrapped or provided here:
     loads the optimizer right after and overwrites the main parameters with the saved exact
     values.
 :func:`snapshot`
-    the start of a load: the checkpoint hooks' wrapped ``dist_checkpointing.load`` (the
-    ``torch_dist`` format loads the model's tensors in place, before the model's
-    ``load_state_dict`` is called) or the model's ``load_state_dict``, whichever comes first.
+    the start of a load: the checkpoint hooks' wrapped ``dist_checkpointing.load`` of a
+    model-only load (the ``torch_dist`` format loads the model's tensors in place, before the
+    model's ``load_state_dict`` is called; a load with the optimizer's state restores the main
+    parameters in place too, so it takes no snapshot there) or the model's
+    ``load_state_dict``, whichever comes first.
     Differences still pending (encoded at the last optimizer step, not yet all-gathered) are
     all-gathered and applied first, as stock's pending all-gather would deliver that step, then
     the checksums are taken. The snapshot lasts until the next weight difference is encoded,

@@ -7,7 +7,7 @@ calls:
 ==========================================================  =====================================
 ``DistributedOptimizer.sharded_state_dict``                 adds the ``"loco"`` entry (torch_dist)
 ``dist_checkpointing.load``                                 resolves and applies LoCo entries;
-                                                            a load's parameter checksums first
+                                                            a model-only load's checksums first
 ``DistributedOptimizer.load_state_dict``                    applies a loaded ``"loco"`` entry
 ``DistributedOptimizer.save_parameter_state`` / ``load_``   per-rank LoCo files (torch format)
 ``ChainedOptimizer.save_parameter_state`` / ``load_``       the same, for several optimizers
@@ -127,8 +127,11 @@ def _wrap_load_parameter_state(orig, state, chained: bool):
 def _wrap_dist_load(orig, state):
     @functools.wraps(orig)
     def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        param_reload.snapshot(state)  # the model's tensors are loaded in place: before them
         if not dist_format.resolve_requests(sharded_state_dict, checkpoint_dir):
+            # no optimizer state: a model-only load, whose tensors are loaded in place, so
+            # the parameters' checksums are taken before (a full load restores the main
+            # parameters itself, in place too: nothing to refresh from the model)
+            param_reload.snapshot(state)
             return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         # every rank: the LoCo entries applied at once, one decision (checkpoint.agree)
         with agree.load_round(kwargs.get("process_group")), \
