@@ -1,7 +1,7 @@
 """One-shot check of this repository on a machine with one NVIDIA GPU (docs/gpu_check.md).
 
     bash benchmarks/gpu_check.sh [--out benchmarks/results/gpu_check.md] [--budget 460]
-                                 [--only throughput kernels pytest pretrain] [--logs DIR]
+                                 [--only throughput kernels compile pytest pretrain] [--logs DIR]
 
 Steps, each a child process with its own timeout inside a total budget (a step that overruns
 is killed with its process group and reported as timed out; the others still run):
@@ -9,8 +9,11 @@ is killed with its process group and reported as timed out; the others still run
 1. ``throughput``: Triton compress/decompress GB/s for fp32 and bf16 buckets of 64-512 MiB
    against the device's copy bandwidth (benchmarks/gpu_check_kernels.py);
 2. ``kernels``: the Triton kernels bit-identical to the torch reference on CUDA tensors;
-3. ``pytest``: ``pytest -m gpu tests``, its summary parsed;
-4. ``pretrain``: the main job, ``run_pretrain.sh --bf16 --loco-bits 4 --train-iters 50`` on
+3. ``compile``: ``python -m loco_megatron.kernels.compile_check`` (every kernel variant for
+   sm_80 and sm_90 with Triton's ptxas: no spill, 64-bit addresses; CI's subset);
+4. ``pytest``: ``pytest -m gpu tests``, its summary parsed (among them two ranks sharing the
+   GPU over gloo with the Triton kernels, and a decompress above 2^31 elements);
+5. ``pretrain``: the main job, ``run_pretrain.sh --bf16 --loco-bits 4 --train-iters 50`` on
    one GPU, its log parsed.
 
 Writes one report (markdown, and the same as JSON beside it) to ``--out``; step logs go to
@@ -42,8 +45,12 @@ DEFAULT_BUDGET_S = 460  # the probe and every step inside it; + the last kill an
 KILL_GRACE_S = 5  # a timed-out step's process group: SIGTERM, this long, SIGKILL, this long
 PRETRAIN_ITERS = 50
 #: step -> (longest timeout s, time kept for it while earlier steps run s)
-STEPS = {"throughput": (120, 45), "kernels": (120, 45), "pytest": (150, 60),
-         "pretrain": (300, 150)}
+STEPS = {"throughput": (120, 45), "kernels": (120, 45), "compile": (120, 30),
+         "pytest": (150, 60), "pretrain": (300, 150)}
+#: the compile check's command (loco_megatron/kernels/compile_check.py; CI's subset here, the
+#: whole matrix is ``--subset all``)
+COMPILE_CMD = ["-m", "loco_megatron.kernels.compile_check", "--arch", "sm_80", "sm_90",
+               "--subset", "ci"]
 PROBE_TIMEOUT_S = 60
 
 _PROBE = r"""
@@ -233,6 +240,16 @@ def _tail(log: Path, n: int = 3) -> str:
     return "Last lines of the log: " + " / ".join(lines[-n:])[-600:] if lines else ""
 
 
+def _compile_step(logs: Path, timeout: float) -> Dict:
+    log = logs / "compile.log"
+    r = run_child([sys.executable, *COMPILE_CMD], log, timeout)
+    r["status"] = "timeout" if r["timed_out"] else ("pass" if r["rc"] == 0 else "fail")
+    lines = [x.rstrip() for x in log.read_text(errors="replace").splitlines()[1:] if x.strip()]
+    r["data"] = {"command": "python " + " ".join(COMPILE_CMD), "rc": r["rc"],
+                 "tail": lines[-25:]}
+    return r
+
+
 def _pytest_step(logs: Path, timeout: float) -> Dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-rfEs",
            "-p", "no:cacheprovider"]
@@ -333,6 +350,8 @@ def main(argv=None) -> int:
                 r = _pytest_step(logs, timeout)
             elif name == "pretrain":
                 r = _pretrain_step(logs, timeout, args.iters, args.allow_install)
+            elif name == "compile":
+                r = _compile_step(logs, timeout)
             else:
                 r = _kernel_step(name, logs, timeout, args.sizes_mib)
         except Exception as exc:  # a fault of this script's glue: report it, run the rest

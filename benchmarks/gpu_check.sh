@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One-shot GPU check (docs/gpu_check.md): Triton kernel throughput vs copy bandwidth, the Triton
-# kernels against the torch reference on CUDA, pytest -m gpu, and the main job (run_pretrain.sh,
+# kernels against the torch reference on CUDA, the kernels' compile check, pytest -m gpu, and the main job (run_pretrain.sh,
 # bf16, --loco-bits 4, 50 iterations) on one GPU; at most 8 minutes; one report.
 #
 #   bash benchmarks/gpu_check.sh [--out benchmarks/results/gpu_check.md] [--budget 460]
-#                                [--only throughput kernels pytest pretrain] [--logs DIR]
+#                                [--only throughput kernels compile pytest pretrain] [--logs DIR]
 #
 # Needs the venv of `bash install.sh`. Without a GPU it prints one line and exits 0.
 # The logic: benchmarks/gpu_check.py (--help lists the options).

@@ -258,11 +258,17 @@ def render_pretrain(d: Dict) -> List[str]:
     return md
 
 
-RENDER = {"throughput": render_throughput, "kernels": render_kernels, "pytest": render_pytest,
-          "pretrain": render_pretrain}
+def render_compile(d: Dict) -> List[str]:
+    return [f"`{d.get('command')}`: exit {d.get('rc')}; its last lines (registers and spills "
+            f"per variant, 64-bit addressing):", ""] + [f"    {x}" for x in d.get("tail", [])]
+
+
+RENDER = {"throughput": render_throughput, "kernels": render_kernels, "compile": render_compile,
+          "pytest": render_pytest, "pretrain": render_pretrain}
 TITLES = {"throughput": "1. Triton kernel throughput vs copy bandwidth",
           "kernels": "2. Triton kernels against the torch reference (CUDA)",
-          "pytest": "3. pytest -m gpu", "pretrain": "4. Main job on one GPU (run_pretrain.sh)"}
+          "compile": "3. Kernel compile check (sm_80, sm_90)",
+          "pytest": "4. pytest -m gpu", "pretrain": "5. Main job on one GPU (run_pretrain.sh)"}
 
 
 def render_markdown(res: Dict) -> str:

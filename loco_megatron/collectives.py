@@ -26,13 +26,14 @@ returns a handle whose ``wait()`` finishes the work (step 3).
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable, Hashable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
+from . import step_timers
+from .caches import per_model
 from .algorithm import sum_in_rank_order
 from .compensator import Compensator
 from .layout import BucketLayout
@@ -43,20 +44,7 @@ from .layout import BucketLayout
 TIMER_NAMES = ("loco-compress", "loco-comm", "loco-decompress")
 
 
-class _NoTimer:
-    def start(self, barrier=False):
-        pass
-
-    def stop(self, barrier=False):
-        pass
-
-
-_NO_TIMER = _NoTimer()
-
-
-def step_timer(timers, name: str):
-    """``timers(name, log_level=2)`` (megatron.core.timers.Timers), or a no-op timer."""
-    return _NO_TIMER if timers is None else timers(name, log_level=2)
+step_timer = step_timers.step_timer  # re-exported: the hierarchical and parameter paths
 
 
 @dataclass
@@ -89,7 +77,7 @@ class LoCoWork:
         comm_timer: started and stopped around the wait for ``works`` (a Megatron timer).
     """
 
-    def __init__(self, works: List, finish: Callable[[], None], comm_timer=_NO_TIMER):
+    def __init__(self, works: List, finish: Callable[[], None], comm_timer=step_timers.NO_TIMER):
         self._works, self._finish, self._done = works, finish, False
         self._comm_timer = comm_timer
 
@@ -138,7 +126,7 @@ class GroupWork:
         return True
 
 
-@lru_cache(maxsize=256)
+@per_model
 def shard_only_layout(numel: int, world: int, block_size: int) -> BucketLayout:
     """The layout of a bucket with blocks cut at shard boundaries only (cached)."""
     return BucketLayout.build(numel, world, block_size)

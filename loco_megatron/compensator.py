@@ -14,12 +14,12 @@ key their error dicts by bucket index.
 """
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Dict, Hashable, Optional, Tuple
 
 import torch
 
 from . import kernels
+from .caches import per_model
 from .config import LoCoConfig
 from .error_buffer import (STORAGE_FIELDS, ErrorBuffer, decode_entry, uniform_spans,
                            validate_entry)
@@ -29,7 +29,7 @@ __all__ = ["Compensator", "CompensatorStats", "ErrorBuffer", "STORAGE_FIELDS", "
            "validate_entry"]
 
 
-@lru_cache(maxsize=256)
+@per_model
 def _wire_order_layout(numel: int, block_size: int) -> BucketLayout:
     """The identity layout of ``numel`` elements already in wire order (whole blocks)."""
     return BucketLayout.build(numel, 1, block_size)
@@ -63,6 +63,9 @@ class Compensator:
         self.errors: Dict[Hashable, ErrorBuffer] = {}
         self.stats = CompensatorStats()
         self._nonfinite: Optional[torch.Tensor] = None  # 0-dim int64 count on the device
+        #: the CUDA stream the count was last updated on (None on CPU): a reader orders its
+        #: copy after it there (:class:`~loco_megatron.nonfinite.NonfiniteMonitor`)
+        self.nonfinite_stream = None
         #: bucket key -> 0-dim count of non-finite blocks in its latest compress (device tensor;
         #: read by :class:`~loco_megatron.nonfinite.NonfiniteMonitor` only after a warning fired)
         self.last_nonfinite: Dict[Hashable, torch.Tensor] = {}
@@ -171,6 +174,8 @@ class Compensator:
             want_err_sq=self.metrics is not None, grid=cfg.grid)
         count = nonfinite.to(torch.int64)  # added on the device: no host sync
         self._nonfinite = count if self._nonfinite is None else self._nonfinite + count
+        if g.device.type == "cuda":  # megatron's communication stream with several
+            self.nonfinite_stream = torch.cuda.current_stream(g.device)  # optimizer instances
         self.last_nonfinite[key] = nonfinite
         if self.metrics is not None:
             self.metrics.record(err_sq, buf.squared_norm() if buf_sq is None else buf_sq,

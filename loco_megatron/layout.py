@@ -28,10 +28,11 @@ send several shards to one peer); the fused kernels read any of them through a
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Iterable, List, Tuple
 
 import torch
+
+from .caches import per_model
 
 Segment = Tuple[int, int, int]  # (source offset in bucket, offset in wire layout, length)
 Block = Tuple[int, int, int]  # (source offset, wire offset, valid elements 0..block_size)
@@ -203,14 +204,14 @@ def _scatter_shard(segs, base_src: int, base_dst: int, values: torch.Tensor,
         out[src - base_src:src - base_src + n] = values[dst - base_dst:dst - base_dst + n]
 
 
-@lru_cache(maxsize=256)
+@per_model
 def _full(layout: BucketLayout) -> BucketLayout:
     bounds = {x for part in (layout.segments, layout.exact_segments) for segs in part
               for s, _, n in segs for x in (s, s + n)}
     return BucketLayout.build(layout.numel, layout.world, layout.block_size, bounds)
 
 
-@lru_cache(maxsize=1024)
+@per_model
 def _shard_blocks(layout: BucketLayout, rank: int) -> Tuple[Block, ...]:
     bs, base_src, base_dst = layout.block_size, rank * layout.shard, rank * layout.padded_shard
     out: List[Block] = []

@@ -3,18 +3,35 @@
 The compress kernels skip the error update of every quantization block whose compensated
 gradient ``h = g + e`` holds a NaN or inf (the block keeps its previous error; RELIABILITY.md)
 and count those blocks on the device (:meth:`loco_megatron.compensator.Compensator.compress`).
-:class:`NonfiniteMonitor` turns the count into a log warning. On CPU it reads the counter at
-once; on CUDA it copies the counter into pinned host memory behind a CUDA event and reads it at
-a later poll, once the event has completed, so the training stream never waits for the host.
+:class:`NonfiniteMonitor` turns the count into a log warning. On a GPU (and under the CPU
+emulation, where the event completes at once) it copies the counter into pinned host memory
+behind a CUDA event, on the stream that last updated it, and reads it once the event has
+completed (at this poll or a later one), so the training stream never waits for the host; plain
+CPU tensors are read at once.
 """
 
+import contextlib
 import logging
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .caches import host_tensor
+
 logger = logging.getLogger(__name__)
+
+
+def _on_device(tensor: torch.Tensor) -> bool:
+    """On a GPU (``is_cuda``: the CPU emulation's tensors too, so the CPU checks of the GPU
+    contract run the asynchronous path)."""
+    return tensor.is_cuda
+
+
+def _pinned_scalar() -> torch.Tensor:
+    """0-dim int64 in pinned host memory (plain host memory where the CUDA runtime is not up:
+    the CPU emulation)."""
+    return host_tensor(torch.zeros((), dtype=torch.int64, pin_memory=torch.cuda.is_initialized()))
 
 
 class NonfiniteMonitor:
@@ -42,19 +59,31 @@ class NonfiniteMonitor:
         counter = self.compensator.nonfinite_count
         if counter is None:
             return 0
-        if counter.device.type != "cuda":
+        if not _on_device(counter):
             return self._count(int(counter))
         seen = 0
         if self._event is not None and self._event.query():
             seen = self._count(int(self._host))
             self._event = None
         if self._event is None:  # snapshot the counter for a later poll
+            self._snapshot(counter)
+            if self._event.query():  # already copied (without a GPU: at once); never waits
+                seen += self._count(int(self._host))
+                self._event = None
+        return seen
+
+    def _snapshot(self, counter: torch.Tensor) -> None:
+        """Copy ``counter`` to pinned host memory behind an event, both on the stream that last
+        updated it (megatron's communication stream with several distributed-optimizer
+        instances and overlap): on the current stream the copy could read it before the
+        compress kernels wrote it."""
+        stream = self.compensator.nonfinite_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if self._host is None:
-                self._host = torch.zeros((), dtype=torch.int64, pin_memory=True)
+                self._host = _pinned_scalar()
             self._host.copy_(counter, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
-        return seen
 
     def _count(self, total: int) -> int:
         new = total - self.counted

@@ -38,15 +38,14 @@ off (a reset step, ``beta = 0``) is exactly ``Q_b``, and decompressing one chunk
 
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import kernels
+from .caches import on_clear, per_model
 from .collectives import launch, step_timer
-from .error_buffer import ErrorBuffer
 from .layout import BucketLayout
 
 #: Megatron timers (log level 2) of the parameter path: encode + own apply; the all-gathers
@@ -54,7 +53,7 @@ from .layout import BucketLayout
 TIMER_NAMES = ("loco-param-encode", "loco-param-comm", "loco-param-decode")
 
 
-@lru_cache(maxsize=512)
+@per_model
 def shard_layouts(layout: BucketLayout) -> Tuple[BucketLayout, ...]:
     """Per DP rank ``r``, the one-rank layout of shard ``r`` of ``layout`` (the same block cuts,
     offsets relative to the shard): what rank ``r`` encodes and every rank decodes."""
@@ -77,6 +76,40 @@ def wire_bytes(layout: BucketLayout, bits: int) -> int:
     elements and ``K`` blocks per shard)."""
     payload, scales = chunk_shape(layout, bits)
     return payload + 4 * scales
+
+
+class _Discarded:
+    """Where the compress kernels write the error of a weight difference, which nothing keeps
+    (beta 0 on a reset step: the ``fp32`` storage of an
+    :class:`~loco_megatron.error_buffer.ErrorBuffer`, its ``values`` only). One fp32 buffer
+    per device, grown to the largest shard and reused by every bucket (the kernels run in
+    order on one stream), instead of a new buffer and a host copy of its spans per bucket
+    per step."""
+
+    storage = "fp32"
+    _buffers: Dict[str, torch.Tensor] = {}
+
+    def __init__(self, numel: int, device):
+        key = str(device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._buffers[key] = torch.empty(numel, dtype=torch.float32, device=device)
+        self.values = buf[:numel]
+
+    def zero_(self) -> None:
+        self.values.zero_()
+
+    def get(self) -> torch.Tensor:
+        return self.values.clone()
+
+    @classmethod
+    def release(cls) -> None:
+        """Free the buffers (:func:`loco_megatron.uninstall`, through
+        :func:`loco_megatron.caches.clear`)."""
+        cls._buffers.clear()
+
+
+on_clear(_Discarded.release)
 
 
 def encode(impl: str, new: torch.Tensor, held: torch.Tensor, layout: BucketLayout, rank: int,
@@ -104,12 +137,9 @@ def encode_difference(impl: str, diff: torch.Tensor, layout: BucketLayout, rank:
     read only): ``Q_b(diff)`` padded for the wire."""
     lay = shard_layouts(layout)[rank]
     table = kernels.block_table(lay, diff.device if impl != "torch" else "cpu")
-    scratch = ErrorBuffer(lay.padded_shard, lay.block_size, "fp32", torch.float32, diff.device,
-                          table.spans)
-    payload, scales, *_ = kernels.compress_bucket(impl, diff, table, scratch, bits=bits, beta=0.0,
-                                                  reset=True, want_err_sq=False,
-                                                  grid="symmetric")  # whatever --loco-grid says
-    del scratch
+    payload, scales, *_ = kernels.compress_bucket(
+        impl, diff, table, _Discarded(lay.padded_shard, diff.device), bits=bits, beta=0.0,
+        reset=True, want_err_sq=False, grid="symmetric")  # whatever --loco-grid says
     nbytes, nscales = chunk_shape(layout, bits)
     out_p = torch.zeros(nbytes, dtype=torch.uint8, device=diff.device)
     out_s = torch.zeros(nscales, dtype=torch.float32, device=diff.device)

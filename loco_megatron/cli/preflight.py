@@ -34,6 +34,7 @@ def check_megatron_args(args, config: LoCoConfig, at_launch: bool = False) -> No
     """
     _check_fsdp(args, config)
     _check_param_gather(args, config)
+    _check_cuda_graphs(args, config)
     if config.params_enabled:
         from ..megatron.param_sync import check_ddp_config as check_param_config
 
@@ -89,6 +90,37 @@ _PARAM_GATHER_FLAGS = tuple((attr, what) for attr, what, _ in PARAM_BITS_CONFLIC
                             if what.startswith("--"))
 
 
+def _check_cuda_graphs(args, config: LoCoConfig) -> None:
+    """One CUDA graph of the whole forward-backward (``--cuda-graph-impl full_iteration``;
+    ``--cuda-graph-scope full_iteration`` in megatron-core 0.14-0.16) captures
+    ``finish_grad_sync`` once: on replay LoCo's host-side decisions (step counters, error
+    resets, ``--loco-start-iter``, byte counters, the NaN/Inf monitor) stay as captured.
+    Per-layer graphs (``local`` / ``transformer_engine`` with ``--cuda-graph-modules``) hold no
+    gradient communication and keep working."""
+    if not (config.enabled or config.params_enabled):
+        return
+    impl = str(getattr(args, "cuda_graph_impl", None) or "none")
+    scopes = {str(getattr(s, "name", s)) for attr in ("cuda_graph_scope", "cuda_graph_modules")
+              for s in _as_list(getattr(args, attr, None))}
+    if impl != "full_iteration" and "full_iteration" not in scopes:
+        return
+    flag = ("--cuda-graph-impl full_iteration" if impl == "full_iteration"
+            else "--cuda-graph-scope full_iteration")
+    loco = (f"--loco-bits {config.bits}" if config.enabled
+            else f"--loco-param-bits {config.param_bits}")
+    raise LoCoConfigError(
+        f"{flag} cannot be used with {loco}: one CUDA graph of the whole iteration replays "
+        f"LoCo's gradient communication as captured, freezing its step counters, error "
+        f"resets and NaN/Inf checks; use per-layer graphs (--cuda-graph-impl local or "
+        f"transformer_engine) or drop one of the two.")
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple, set)) else [value]
+
+
 _FSDP_FLAGS = (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_custom_fsdp", "--use-custom-fsdp"),
                ("use_torch_fsdp2", "--use-torch-fsdp2"))
 
@@ -115,6 +147,9 @@ _MEGATRON_FLAGS = (
     ("num_experts", "--num-experts", int, None),
     ("expert_model_parallel_size", "--expert-model-parallel-size", int, 1),
     ("expert_tensor_parallel_size", "--expert-tensor-parallel-size", int, None),
+    ("cuda_graph_impl", "--cuda-graph-impl", str, "none"),
+    ("cuda_graph_scope", "--cuda-graph-scope", list, None),
+    ("cuda_graph_modules", "--cuda-graph-modules", list, None),
 )
 
 
@@ -137,8 +172,10 @@ def preparse_loco_config(argv) -> LoCoConfig:
     for attr, flag, kind, default in _MEGATRON_FLAGS:
         if kind is bool:
             parser.add_argument(flag, dest=attr, action="store_true")
+        elif kind is list:
+            parser.add_argument(flag, dest=attr, nargs="+", default=default)
         else:
-            parser.add_argument(flag, dest=attr, type=int, default=default)
+            parser.add_argument(flag, dest=attr, type=kind, default=default)
     parser.add_argument("--yaml-cfg", dest="yaml_cfg", default=None)
     known, _ = parser.parse_known_args(argv)
     if known.yaml_cfg is not None:

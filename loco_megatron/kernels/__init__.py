@@ -20,8 +20,9 @@ Implementations (``--loco-kernels``, :attr:`~loco_megatron.config.LoCoConfig.ker
 ``cpu``     a C loop over blocks compiled on first use (:mod:`.cpu`), CPU tensors.
 ``triton``  Triton kernels (:mod:`.triton_kernels`), CUDA tensors (CPU under
             ``TRITON_INTERPRET=1``, for tests).
-``auto``    ``triton`` for CUDA tensors when Triton imports, ``cpu`` for CPU tensors when the C
-            library builds, else ``torch``; fp64 always ``torch``.
+``auto``    ``triton`` for CUDA tensors (refused in one line when Triton does not import:
+            ``--loco-kernels torch`` runs the reference on a GPU on purpose), ``cpu`` for CPU
+            tensors when the C library builds, else ``torch``; fp64 always ``torch``.
 
 All three give the same codes and scales bit for bit and the same error buffer, on either grid
 (the same IEEE fp32 operations in the same order, no FMA contraction, round-half-to-even; the
@@ -53,7 +54,8 @@ def select(choice: str, tensor: torch.Tensor) -> str:
     Raises:
         ValueError: ``choice`` unknown, or it names an implementation that cannot run on
             ``tensor`` (``triton`` without Triton, or on a CPU tensor without
-            ``TRITON_INTERPRET=1``; ``cpu`` on a CUDA tensor or without a C compiler).
+            ``TRITON_INTERPRET=1``; ``cpu`` on a CUDA tensor or without a C compiler), or
+            ``auto`` on a CUDA tensor without Triton.
     """
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"--loco-kernels {choice!r} is not one of {KERNEL_CHOICES}")
@@ -67,6 +69,11 @@ def select(choice: str, tensor: torch.Tensor) -> str:
         return impl
     if choice != "auto":
         raise ValueError(f"--loco-kernels {choice}: {reason}")
+    if impl == "triton":  # a GPU without Triton: the reference would be slow, and silently
+        raise ValueError(f"--loco-kernels auto: {reason}; on a GPU LoCo needs the Triton "
+                         f"kernels (the torch reference copies its block tables to the device "
+                         f"on every call): install Triton, or pass --loco-kernels torch to "
+                         f"run the reference anyway")
     return "torch"
 
 

@@ -9,11 +9,11 @@ The kernels read the bucket through this table instead of copying it into the wi
 """
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Union
 
 import torch
 
+from ..caches import host_tensor, per_model
 from ..layout import BucketLayout, ChunkView
 
 View = Union[BucketLayout, ChunkView]
@@ -86,14 +86,16 @@ def _build(view: ChunkView) -> BlockTable:
     t = torch.tensor(blocks, dtype=torch.int64).view(-1, 3)
     src, off, length = t[:, 0].contiguous(), t[:, 1].contiguous(), t[:, 2].to(torch.int32)
     ends = torch.cat((off[1:], torch.tensor([view.world * view.padded_shard])))
-    return BlockTable(view, src, off, length, ends - off)
+    return BlockTable(view, src, off, length, host_tensor(ends - off))
 
 
-@lru_cache(maxsize=512)
+@per_model
 def _cached(view: ChunkView, device: str) -> BlockTable:
+    """Built once per view and device (loco_megatron/caches.py: every table a step uses stays
+    cached, so a step makes no host-to-device copy); a device table's CPU build is not kept."""
+    t = _build(view)
     if device == "cpu":
-        return _build(view)
-    t = _cached(view, "cpu")  # one spans tensor per view, whatever the device
+        return t
     return BlockTable(view, t.src.to(device), t.off.to(device), t.length.to(device), t.spans)
 
 

@@ -147,9 +147,11 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
                            _ptr(buf_sq))
     if rc < 0:
         raise MemoryError("loco_compress: out of memory for a block workspace")
-    if buf_sq is not None and float(buf_sq) < 0:  # fp32 storage: not computed in C
+    if not int8:  # fp32 storage: not computed in C (it wrote -1)
         buf_sq = None
-    return payload, scales, torch.tensor(rc, dtype=torch.int32), err_sq, buf_sq
+    # no host reads or tensors built from host data: this path stands in for the device
+    # kernels in the CPU checks of the GPU contract (loco_megatron/emulation/host_sync.py)
+    return payload, scales, torch.full((), rc, dtype=torch.int32), err_sq, buf_sq
 
 
 def decompress_shard(payload, scales, table, rank, *, bits, average, out):

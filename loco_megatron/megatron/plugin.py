@@ -33,6 +33,7 @@ from ..layout import BucketLayout
 from ..metrics import StepMetrics
 from ..nonfinite import NonfiniteMonitor
 from ..patching import PatchSet
+from .. import caches, kernels
 from . import compat, loss_scale, param_reload, param_sync
 from .checkpoint import hooks as ckpt_hooks
 from .report import (buffer_reports, log_buffers, log_chunk_layout,
@@ -179,6 +180,8 @@ def _wrap_ddp_init(orig):
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
         compressed = _check_agreement(state, self)
+        for _, bucket, _ in compressed[:1]:  # --loco-kernels refusals at model build, not at
+            kernels.select(state.config.kernels, bucket.grad_data)  # the first step
         buffers = buffer_reports(self, compressed if state.active else [])
         if state.active and not state.config.hierarchical:  # never more bytes than stock
             for buf in buffers:
@@ -387,6 +390,7 @@ def uninstall() -> None:
         return
     _STATE.patches.restore()
     _STATE = None
+    caches.clear()  # the layouts and block tables of the models it wrapped
     ckpt_hooks.forget_pending_loads()
     forget_pending_inter_stages()  # handles an interrupted step never waited on
 

@@ -175,6 +175,86 @@ def test_decompress_matches_reference(impl, bits, out_dtype, average):
         torch.testing.assert_close(got, ref, **tol)
 
 
+def _triton_only(fn):
+    for mark in TRITON_MARKS:
+        fn = mark(fn)
+    return fn
+
+
+@_triton_only
+@pytest.mark.parametrize("bits,storage,beta", [(4, "int8", 0.8), (8, "fp32", 0.0)])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on NaN
+def test_triton_launch_configs_bit_identical(bits, storage, beta):
+    """Blocks of 96 (48 pairs: a partly masked tile) under the default launch configuration
+    (one tile of 64 pairs, 16 blocks per program) and a tiled one (6 tiles of 8 pairs, 2 blocks
+    per program: the multi-pass path large blocks take): codes, scales, error buffers and the
+    decompressed shards equal each other's and the reference's bit for bit (a NaN step too)."""
+    from loco_megatron.kernels import triton_kernels as tk
+    from loco_megatron.kernels.launch import custom_config, launch_config
+
+    dev, block = _device("triton"), 96
+    layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], block, LAYOUT["boundaries"])
+    configs = [launch_config(block), custom_config(block, rows=2, tile=8)]
+    assert configs[0].ntiles == 1 and configs[1].ntiles == 6
+    outs = []
+    for impl, launch in [("torch", None)] + [("triton", c) for c in configs]:
+        d = dev if impl == "triton" else "cpu"
+        table = kernels.block_table(layout, d)
+        err = ErrorBuffer(table.padded_numel, block, storage, torch.float32, d, table.spans)
+        gen = torch.Generator().manual_seed(5)
+        got = []
+        for step in range(3):
+            g = torch.randn(layout.numel, generator=gen) * 10 ** (step - 1)
+            g[700 + step] = float("nan") if step == 2 else g[700 + step]
+            kw = dict(bits=bits, beta=beta, reset=step == 1, want_err_sq=True)
+            if impl == "torch":
+                p, s, nf, sq, _ = kernels.compress_bucket("torch", g, table, err, **kw)
+            else:
+                p, s, nf, sq, _ = tk.compress_bucket(g.to(d), table, err, launch=launch, **kw)
+            shard = torch.empty(table.shard)
+            if impl == "torch":
+                kernels.decompress_shard("torch", p, s, table, 1, bits=bits, average=True,
+                                         out=shard)
+            else:
+                shard = shard.to(d)
+                tk.decompress_shard(p, s, table, 1, bits=bits, average=True, out=shard,
+                                    launch=launch)
+            got.append((p.cpu(), s.cpu(), int(nf), float(sq), err.get().cpu(), shard.cpu()))
+        outs.append(got)
+    for step, (r, a, b) in enumerate(zip(*outs)):
+        fin = torch.isfinite(r[1])
+        assert r[2] == a[2] == b[2] == (step == 2), step
+        for x in (a, b):
+            assert torch.equal(x[1][fin], r[1][fin]) and torch.equal(x[4], r[4]), step
+            assert abs(x[3] - r[3]) <= 1e-5 * r[3], step
+            if step < 2:  # (the codes of a NaN block are not defined)
+                assert torch.equal(x[0], r[0]), step
+                assert torch.equal(x[5], r[5]), step
+        assert torch.equal(a[0], b[0]) and _same_bits(a[1], b[1]), step  # config vs config
+        assert torch.equal(a[5].isnan(), b[5].isnan()), step
+        assert torch.equal(a[5].nan_to_num(), b[5].nan_to_num()), step
+
+
+@_triton_only
+def test_triton_decompress_world_one_average():
+    """A one-rank group with AVG (a direct compensated_reduce_scatter on a 1-rank group): the
+    kernel divides by world == 1, which a launch passes as a constexpr int (the compile check
+    compiles that variant); the shard equals the reference's."""
+    dev = _device("triton")
+    layout = BucketLayout.build(300, 1, 64, (77,))
+    table = kernels.block_table(layout, "cpu")
+    gen = torch.Generator().manual_seed(4)
+    payload = torch.randint(0, 256, (table.padded_numel * 4 // 8,), dtype=torch.uint8,
+                            generator=gen)
+    scales = torch.rand(table.nblocks, generator=gen)
+    ref = torch.empty(table.shard)
+    got = torch.empty(table.shard, device=dev)
+    kernels.decompress_shard("torch", payload, scales, table, 0, bits=4, average=True, out=ref)
+    kernels.decompress_shard("triton", payload.to(dev), scales.to(dev),
+                             kernels.block_table(layout, dev), 0, bits=4, average=True, out=got)
+    assert torch.equal(got.cpu(), ref)
+
+
 def test_select():
     cpu = torch.zeros(4)
     assert kernels.select("torch", cpu) == "torch"
@@ -234,30 +314,26 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loco_megatron.kernels import triton_kernels as tk
+from loco_megatron.kernels.variants import block_variants
 target = GPUTarget("cuda", int(sys.argv[1]), 32)
-opts = {"enable_fp_fusion": False}
-sig = {"g_ptr": "*bf16", "src_ptr": "*i64", "off_ptr": "*i64", "len_ptr": "*i32", "nblocks": "i32",
-       "ecodes_ptr": "*i8", "escales_ptr": "*fp32", "evalues_ptr": "*fp32", "payload_ptr": "*u8",
-       "scales_ptr": "*fp32", "flag_ptr": "*i32", "errsq_ptr": "*fp32", "bufsq_ptr": "*fp32",
-       "beta": "fp32", "omb": "fp32", "smax": "fp32"}
-consts = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "DIV": 7, "INT8_ERR": True,
-          "RESET": False, "USE_BETA": True, "ERRSQ": True}
-sig.update({k: "constexpr" for k in consts})
-sig2 = {"payload_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "src_ptr": "*i64",
-        "off_ptr": "*i64", "len_ptr": "*i32", "nbs": "i32", "first": "i32", "out_base": "i64",
-        "chunk": "i64", "off_base": "i64", "world": "i32"}
-consts2 = {"B": 256, "HALF": 128, "ROWS": tk.ROWS, "BITS": 4, "AVERAGE": True, "OUT_BF16": True}
-sig2.update({k: "constexpr" for k in consts2})
-for fn, sg, cs in ((tk._compress_kernel, sig, consts), (tk._decompress_kernel, sig2, consts2)):
-    k = triton.compile(ASTSource(fn=fn, signature=sg, constexprs=cs), target=target, options=opts)
-    sys.stdout.write(k.asm["ptx"] + "\n=====KERNEL=====\n")
+# the default block size, arguments typed as a launch types them (sizes i32, world == 1 a
+# constexpr): loco_megatron/kernels/variants.py, what the compile check builds
+variants = block_variants(256)
+for v in (variants[0], variants[8], variants[11]):  # compress; decompress AVG, world i32 / 1
+    fn = tk._compress_kernel if v.kernel == "compress" else tk._decompress_kernel
+    k = triton.compile(ASTSource(fn=fn, signature=v.signature, constexprs=v.constexprs),
+                       target=target, options={"enable_fp_fusion": False,
+                                               "num_warps": v.num_warps})
+    sys.stdout.write(v.name + "\n" + k.asm["ptx"] + "\n=====KERNEL=====\n")
 """
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="Triton not installed")
 @pytest.mark.parametrize("arch", [80, 90])
 def test_triton_kernels_compile_for_gpus_without_fma(arch):
-    """PTX for sm_80/sm_90 (compiled here without a GPU): no FMA contraction, IEEE division."""
+    """PTX for sm_80/sm_90 (compiled here without a GPU): no FMA contraction, IEEE division;
+    the decompress kernel also with world == 1 (a constexpr) and AVG. Every variant and block
+    size: python -m loco_megatron.kernels.compile_check (tests/unit/test_compile_check.py)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(arch)], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -265,12 +341,18 @@ def test_triton_kernels_compile_for_gpus_without_fma(arch):
         if "ptxas" in proc.stderr or "CUDA" in proc.stderr:
             pytest.skip(f"cannot compile for sm_{arch} here: {proc.stderr.strip()[-300:]}")
         raise AssertionError(proc.stderr[-3000:])
-    comp, decomp = proc.stdout.split("=====KERNEL=====")[:2]
-    for ptx in (comp, decomp):
+    ptxs = proc.stdout.split("=====KERNEL=====")[:-1]
+    assert len(ptxs) == 3, proc.stdout[-2000:]
+    for ptx in ptxs:
         assert ".entry" in ptx
         assert "fma." not in ptx  # no contraction: the same roundings as the reference
         assert "div.full" not in ptx and "div.approx" not in ptx
+    comp, decomp, decomp1 = ptxs
+    assert comp.lstrip().startswith("compress grad b4 bf16")
+    assert "world=i32" in decomp.lstrip().splitlines()[0]
+    assert "world=1" in decomp1.lstrip().splitlines()[0]
     assert "div.rn.f32" in comp and "atom" in comp
+    assert "div.rn.f32" in decomp  # AVG (by world == 1 it may fold away)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason=NO_TRITON)

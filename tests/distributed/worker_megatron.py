@@ -90,13 +90,14 @@ class ShardChecker:
 def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, *,
               params_dtype: torch.dtype = torch.float32, grad_reduce_in_fp32: bool = True,
               module_fn=None, disable_bucketing: bool = False,
-              use_distributed_optimizer: bool = True, **ddp_kwargs):
+              use_distributed_optimizer: bool = True, num_layers: int = 2, **ddp_kwargs):
     """A seeded 2-layer GPTModel wrapped in megatron-core DDP, and its distributed Adam.
 
     ``params_dtype=torch.bfloat16`` builds it as megatron.training does for ``--bf16``
     (bf16 parameters, ``Float16Module``); ``module_fn(gpt)`` may wrap the GPT before DDP;
     ``disable_bucketing`` is DDP's (megatron.training sets it for virtual-pipeline chunks > 0);
-    ``use_distributed_optimizer=False``: plain DDP (all-reduce) and megatron's plain optimizer."""
+    ``use_distributed_optimizer=False``: plain DDP (all-reduce) and megatron's plain optimizer;
+    ``num_layers``: transformer layers (12 parameters each)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -108,7 +109,7 @@ def build_gpt(overlap: bool, bucket_size: int = 20000, dropout: float = 0.1, *,
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
     bf16 = params_dtype == torch.bfloat16
-    cfg = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4,
+    cfg = TransformerConfig(num_layers=num_layers, hidden_size=HIDDEN, num_attention_heads=4,
                             use_cpu_initialization=True, pipeline_dtype=params_dtype,
                             hidden_dropout=dropout, attention_dropout=dropout,
                             tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),

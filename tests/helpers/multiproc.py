@@ -29,13 +29,17 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core.distributed",
 START_METHOD = os.environ.get("LOCO_TEST_START_METHOD", "forkserver")
 
 
+#: ``backend`` of ranks that share the one GPU over gloo (CUDA tensors, spawned ranks)
+GLOO_CUDA = "gloo-cuda"
+
+
 def start_method(backend: str) -> str:
     """How ranks of ``backend`` start: NCCL ranks are always spawned. Importing :data:`PRELOAD`
     calls ``torch.cuda.is_available()`` (megatron-core's dist_checkpointing, torch's
     cpp_extension), i.e. ``cudaGetDeviceCount``, which initialises the CUDA driver in the fork
     server: on a GPU machine every rank forked from it would then fail to use CUDA (torch's
     "poison fork", see ``torch.cuda.is_available``)."""
-    return "spawn" if backend == "nccl" else START_METHOD
+    return "spawn" if backend in ("nccl", GLOO_CUDA) else START_METHOD
 
 
 def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None, env=None):
@@ -49,6 +53,9 @@ def _entry(rank, fn, world_size, tmpdir, args, backend, local_world_size=None, e
                       LOCAL_WORLD_SIZE=str(local))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    elif backend == GLOO_CUDA:  # every rank on device 0, collectives over gloo
+        torch.cuda.set_device(0)
+        backend = "gloo"
     dist.init_process_group(backend, init_method=f"file://{tmpdir}/rendezvous",
                             rank=rank, world_size=world_size)
     # Every rank finishes connecting before any can exit: a worker that returns at once (e.g.

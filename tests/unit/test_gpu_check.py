@@ -240,6 +240,15 @@ def _results():
                                       "parsed": rep.parse_pretrain(_pretrain_log())}}}}
 
 
+def test_compile_step_rendered():
+    """The compile check's step: its command, exit status and last lines in the report."""
+    md = "\n".join(rep.render_compile({"command": "python -m loco_megatron.kernels.compile_check",
+                                         "rc": 1, "tail": ["x spills 16 bytes"]}))
+    assert "exit 1" in md and "    x spills 16 bytes" in md
+    assert rep.TITLES["compile"].startswith("3. ") and "compile" in gpu_check.STEPS
+    assert gpu_check.COMPILE_CMD[:2] == ["-m", "loco_megatron.kernels.compile_check"]
+
+
 def test_render_markdown():
     md = rep.render_markdown(_results())
     assert "| GPU | NVIDIA H200 (sm 9.0, 1 visible) |" in md and "| triton | 3.8.0 |" in md
@@ -250,7 +259,7 @@ def test_render_markdown():
     assert "Not measured: 512 MiB torch.bfloat16: OOM" in md
     assert ("| full-range | 4 | bfloat16 | vs torch on cuda: bit-identical; vs torch on cpu: "
             "step 3: scales differ at 2 of 160 | 79990/80000 / 1.5e-08 / yes | NO |") in md
-    assert "| 3. pytest -m gpu | timed out after 150 s | 150 | 150 |" in md
+    assert "| 4. pytest -m gpu | timed out after 150 s | 150 | 150 |" in md
     assert "No pytest summary line" in md
     assert "* iterations: 50 of 50" in md and "last 4.0000" in md
     assert "median 20.3 over the logged intervals after the first (first: 900.0)" in md
@@ -360,16 +369,18 @@ def test_main_runs_the_steps_in_budget_and_writes_the_report(monkeypatch, tmp_pa
     monkeypatch.setattr(gpu_check, "_kernel_step",
                         lambda what, logs, timeout, sizes: fake(what, "ok")(logs, timeout))
     monkeypatch.setattr(gpu_check, "_pytest_step", fake("pytest", "pass"))
+    monkeypatch.setattr(gpu_check, "_compile_step", fake("compile", "pass"))
     monkeypatch.setattr(gpu_check, "_pretrain_step",
                         lambda logs, timeout, iters, allow: fake("pretrain", "fail")(logs, timeout))
     out = tmp_path / "r" / "gpu.md"
     rc = gpu_check.main(["--out", str(out), "--logs", str(tmp_path / "logs")])
     assert rc == 1  # the main job "failed"
-    assert [c[0] for c in calls] == ["throughput", "kernels", "pytest", "pretrain"]
-    assert [c[1] for c in calls] == [120, 120, 150, 300]
+    assert [c[0] for c in calls] == ["throughput", "kernels", "compile", "pytest", "pretrain"]
+    assert [c[1] for c in calls] == [120, 120, 120, 150, 300]
     res = json.loads(out.with_suffix(".json").read_text())
     assert {n: s["status"] for n, s in res["steps"].items()} == {
-        "throughput": "ok", "kernels": "ok", "pytest": "pass", "pretrain": "fail"}
+        "throughput": "ok", "kernels": "ok", "compile": "pass", "pytest": "pass",
+        "pretrain": "fail"}
     assert res["machine"]["gpu"] == "Fake GPU" and "| GPU | Fake GPU |" in out.read_text()
     assert capsys.readouterr().out.startswith(f"gpu_check: report {out} (throughput ok, ")
 

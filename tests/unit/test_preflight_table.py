@@ -24,6 +24,8 @@ WORLD = 2
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1"]
 DIST = ["--use-distributed-optimizer"]
+#: one CUDA graph of the whole iteration (Megatron asks for its NaN check off with it)
+FULL_GRAPH = ["--cuda-graph-impl", "full_iteration", "--no-check-for-nan-in-loss-and-grad"]
 #: (row id, the launch's flags beyond the model's, refused?) - refused is what the table says
 #: a user gets; the test checks it and that both paths agree on it and on the line
 TABLE = [
@@ -44,6 +46,11 @@ TABLE = [
     ("param4-tp2-dp1-no-distopt", ["--loco-param-bits", "4",
                                    "--tensor-model-parallel-size", "2"], False),
     ("loco3", ["--loco-bits", "3", *DIST], True),
+    ("loco4-full-iteration-graph", ["--loco-bits", "4", *DIST, *FULL_GRAPH], True),
+    ("param4-full-iteration-graph", ["--loco-param-bits", "4", *DIST, *FULL_GRAPH], True),
+    ("loco16-full-iteration-graph", ["--loco-bits", "16", *DIST, *FULL_GRAPH], False),
+    ("loco4-per-layer-graphs", ["--loco-bits", "4", *DIST, "--cuda-graph-impl", "local",
+                                "--cuda-graph-modules", "attn"], False),
 ]
 
 

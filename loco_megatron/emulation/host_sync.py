@@ -1,0 +1,192 @@
+"""Count, on the CPU, what would stall the host or copy pageable memory to a GPU.
+
+docs/kernels.md ("GPU contract"). On a GPU, LoCo's steady-state step must not wait for the
+device (a host sync stalls the launch queue and, with overlap on, serialises communication with
+compute) nor build tensors from host data (a pageable host-to-device copy per call). Neither
+can be seen on a machine without a GPU, so :class:`HostSyncCounter`, a ``TorchFunctionMode``
+entered above the CPU emulation (:mod:`.cpu_cuda`), records every call that would do one of
+them on a GPU:
+
+``sync``
+    ``Tensor.item``, ``.tolist``, ``.cpu``, ``.numpy``, ``bool()`` / ``int()`` / ``float()`` /
+    ``index()`` of a tensor, ``nonzero``, ``argwhere``, ``masked_select``, ``unique``,
+    ``repeat_interleave`` with tensor repeats and no ``output_size``, boolean-mask indexing,
+    and ``torch.cuda.synchronize`` / ``Stream.synchronize`` / ``Event.synchronize`` (through
+    the emulation's stand-ins);
+``h2d``
+    ``torch.tensor`` / ``torch.as_tensor`` of Python data asked for a CUDA device, ``.cuda()`` or
+    ``.to(cuda)`` of a tensor known to live on the host (see below);
+``host_build``
+    ``torch.tensor`` / ``torch.as_tensor`` of Python data on the host: on a GPU it is either
+    copied to the device next (a cache miss of a block table) or per-step host work.
+
+A tensor "lives on the host" when it was built from Python data inside the window, or derived
+from such a tensor, or carries the attribute :data:`HOST_ATTR` (LoCo's CPU-side tables, e.g. a
+block table's ``spans``): operations on those are not device syncs. Every event is attributed to the innermost caller outside torch,
+this emulation package and megatron-core's ``timers.py`` (a timer's synchronize belongs to
+whoever starts the timer): ``owner`` is ``"loco"`` for ``loco_megatron`` code, else ``"other"``.
+"""
+
+import collections
+import os
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..patching import PatchSet
+
+_T = torch.Tensor
+#: method or function -> the name an event carries (``sync`` category)
+_SYNC_CALLS = {
+    _T.item: "item", _T.tolist: "tolist", _T.cpu: "cpu", _T.numpy: "numpy",
+    _T.__bool__: "bool", _T.__int__: "int", _T.__float__: "float", _T.__index__: "index",
+    _T.nonzero: "nonzero", torch.nonzero: "nonzero", torch.argwhere: "argwhere",
+    _T.argwhere: "argwhere", torch.masked_select: "masked_select",
+    _T.masked_select: "masked_select", torch.unique: "unique", _T.unique: "unique",
+}
+_FACTORIES = {torch.tensor: "tensor", torch.as_tensor: "as_tensor"}
+_INDEXING = (_T.__getitem__, _T.__setitem__)
+_REPEAT = (torch.repeat_interleave, _T.repeat_interleave)
+_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../loco_megatron
+_SKIP = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+_TIMERS = os.path.join("megatron", "core", "timers.py")
+#: attribute (set to True) of a tensor that lives on the host whatever the device (CPU tables)
+HOST_ATTR = "_loco_host"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One counted call: ``category`` (``sync``, ``h2d``, ``host_build``), ``op`` (the call),
+    ``owner`` (``loco`` or ``other``) and ``where`` (``file:line`` of the attributed caller)."""
+
+    category: str
+    op: str
+    owner: str
+    where: str
+
+
+def _caller() -> tuple:
+    frame = sys._getframe(3)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(_SKIP) and not path.endswith(_TIMERS):
+            owner = "loco" if path.startswith(_PKG + os.sep) else "other"
+            return owner, f"{os.path.relpath(path, os.path.dirname(_PKG))}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "other", "?"
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, int):
+        return True
+    return (isinstance(device, str) and device.startswith("cuda")) or (
+        isinstance(device, torch.device) and device.type == "cuda")
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Records :class:`Event` s while entered (``with HostSyncCounter() as c:``); see the
+    module doc for what counts. Needs no GPU; meant for the CPU emulation, where every tensor
+    stands for a device tensor unless it lives on the host.
+
+    Attributes:
+        events: every :class:`Event`, in order.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.events: List[Event] = []
+        self._host: Dict[int, weakref.ref] = {}
+        self._patches: Optional[PatchSet] = None
+
+    # -- host tensors ------------------------------------------------------------------
+    def mark_host(self, tensor: torch.Tensor) -> None:
+        """``tensor`` lives on the host: reading it is no device sync."""
+        self._host[id(tensor)] = weakref.ref(tensor)
+
+    def _on_host(self, tensor) -> bool:
+        if getattr(tensor, HOST_ATTR, False):
+            return True
+        ref = self._host.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _record(self, category: str, op: str) -> None:
+        owner, where = _caller()
+        self.events.append(Event(category, op, owner, where))
+
+    def count(self, owner: Optional[str] = None, category: Optional[str] = None) -> int:
+        """Events of ``owner`` and ``category`` (None: any)."""
+        return sum(1 for e in self.events if (owner is None or e.owner == owner)
+                   and (category is None or e.category == category))
+
+    def summary(self, owner: Optional[str] = None) -> Dict[str, int]:
+        """``{"category op @ where": count}`` of ``owner``'s events (for failure messages)."""
+        return dict(collections.Counter(f"{e.category} {e.op} @ {e.where}" for e in self.events
+                                        if owner is None or e.owner == owner))
+
+    # -- the mode ----------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        host_input = any(self._on_host(t) for t in _tensors((args, kwargs)))
+        if func in _FACTORIES and args and not isinstance(args[0], torch.Tensor):
+            cuda = _is_cuda(kwargs.get("device"))
+            self._record("h2d" if cuda else "host_build", _FACTORIES[func])
+            out = func(*args, **kwargs)
+            if not cuda:
+                self.mark_host(out)
+            return out
+        if not host_input:
+            if func in _SYNC_CALLS:
+                self._record("sync", _SYNC_CALLS[func])
+            elif func in _INDEXING and len(args) > 1 and any(
+                    t.dtype == torch.bool for t in _tensors(args[1])):
+                self._record("sync", "boolean-mask indexing")
+            elif func in _REPEAT and "output_size" not in kwargs and len(args) > 1 \
+                    and isinstance(args[1], torch.Tensor) and args[1].numel() > 1:
+                self._record("sync", "repeat_interleave without output_size")
+        elif func is _T.cuda or (func is _T.to and any(
+                _is_cuda(a) for a in list(args[1:]) + [kwargs.get("device")])):
+            self._record("h2d", "to(cuda)" if func is _T.to else "cuda")
+        out = func(*args, **kwargs)
+        if host_input:
+            for t in _tensors(out):
+                self.mark_host(t)
+        return out
+
+    def _device_sync(self, op):
+        def sync(*args, **kwargs):
+            self._record("sync", op)
+        return sync
+
+    def __enter__(self):
+        from . import cpu_cuda
+
+        self._patches = PatchSet("loco-host-sync-counter", strict=False)
+        self._patches.replace(torch.cuda, "synchronize", self._device_sync("cuda.synchronize"))
+        if cpu_cuda.is_active():
+            for cls, name in ((cpu_cuda._Stream, "Stream"), (cpu_cuda._Event, "Event")):
+                self._patches.replace(cls, "synchronize",
+                                      lambda self_, _op=f"{name}.synchronize", c=self:
+                                      c._record("sync", _op))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._patches.restore()
+            self._patches = None

@@ -1,0 +1,190 @@
+"""Pieces of the GPU contract (docs/kernels.md), each checked on the CPU: no host sync from
+LoCo's timers, the NaN/Inf counter read on the stream that wrote it, block tables and shard
+layouts that stay cached for every bucket of a step, the weight difference's discarded error
+without a buffer per call, ``--loco-kernels auto`` refusing to fall back on a GPU, and full-
+iteration CUDA graphs refused in one line. The whole step is checked by
+tests/distributed/test_gpu_contract.py."""
+
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from loco_megatron import caches, kernels, weight_difference
+from loco_megatron.config import LoCoConfig, LoCoConfigError
+from loco_megatron.emulation.host_sync import HostSyncCounter
+from loco_megatron.layout import BucketLayout
+
+pytestmark = pytest.mark.unit
+
+
+def test_counter_sees_what_would_sync_and_skips_host_tensors():
+    """The counter itself: device reads and synchronizes count, host tensors do not."""
+    x = torch.randn(8)
+    host = caches.host_tensor(torch.arange(4))
+    with HostSyncCounter() as c:
+        x.sum().item()
+        bool(x[0] > 0)
+        x[x > 0]
+        torch.cuda.synchronize()
+        int(host.sum())  # a CPU table: no device sync
+        built = torch.tensor([1, 2, 3])  # host data: built on the host
+        built.sum().tolist()
+    ops = [(e.category, e.op) for e in c.events]
+    assert ops == [("sync", "item"), ("sync", "bool"), ("sync", "boolean-mask indexing"),
+                   ("sync", "cuda.synchronize"), ("host_build", "tensor")], ops
+    assert all(e.owner == "other" for e in c.events)
+
+
+def test_loco_timers_never_synchronize():
+    """``--timing-log-level 2``: megatron's Timer synchronizes at every start and stop; LoCo's
+    timers (three per bucket) record events instead, registered in megatron's ``Timers`` where
+    its ``log`` reads them (a positive time, reset on read)."""
+    from megatron.core.timers import Timers
+
+    from loco_megatron.collectives import TIMER_NAMES, step_timer
+
+    timers = Timers(2, "minmax")
+    with HostSyncCounter() as c:
+        for _ in range(50):  # 50 buckets
+            for name in TIMER_NAMES:
+                t = step_timer(timers, name)
+                t.start()
+                torch.randn(1000).sum()
+                t.stop()
+    assert c.count(category="sync") == 0, c.summary()
+    # what Timers.log reads per name (megatron/core/timers.py _get_elapsed_time_all_ranks)
+    elapsed = [timers._timers[n].elapsed(reset=True) for n in TIMER_NAMES]
+    assert all(e > 0.0 for e in elapsed), elapsed
+    assert all(timers._timers[n].elapsed() == 0.0 for n in TIMER_NAMES)  # reset
+    assert step_timer(Timers(1, "minmax"), TIMER_NAMES[0]).__class__.__name__ == "_NoTimer"
+
+
+def test_nonfinite_counter_is_read_on_the_stream_that_wrote_it(monkeypatch):
+    """With several distributed-optimizer instances and overlap, the compress kernels (and the
+    NaN/Inf count) run on megatron's communication stream: the monitor's copy of the count and
+    its event are issued on that stream, not on the current one."""
+    from loco_megatron import nonfinite
+
+    current = ["main"]
+    issued = []
+
+    @contextlib.contextmanager
+    def stream(s):
+        before, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    class Event:
+        def record(self, stream=None):
+            issued.append(("event", stream or current[0]))
+
+        def query(self):
+            return False
+
+    class Host:
+        def copy_(self, src, non_blocking=False):
+            issued.append(("copy", current[0]))
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(nonfinite, "_on_device", lambda t: True)
+    monkeypatch.setattr(nonfinite, "_pinned_scalar", Host)
+    comp = SimpleNamespace(nonfinite_count=torch.zeros((), dtype=torch.int64),
+                           nonfinite_stream="communication", stats=None)
+    nonfinite.NonfiniteMonitor(comp).poll()
+    assert issued == [("copy", "communication"), ("event", "communication")], issued
+
+
+def test_block_tables_and_shard_layouts_stay_cached_for_every_bucket():
+    """Tables of 600 buckets at DP 2 and of 40 buckets at DP 16 (more than the old 512-entry
+    LRU held), each with the parameter path's per-rank shard layouts (buckets x DP): a second
+    pass over them builds nothing and copies nothing."""
+    caches.clear()
+    layouts = [BucketLayout.build(2 * (130 + i), 2, 64, (37,)) for i in range(600)] + [
+        BucketLayout.build(16 * (200 + i), 16, 64, (37, 1000 + i)) for i in range(40)]
+
+    def one_step():
+        for lay in layouts:
+            kernels.block_table(lay, "cpu")
+            for shard in weight_difference.shard_layouts(lay):
+                kernels.block_table(shard, "cpu")
+
+    one_step()
+    with HostSyncCounter() as c:
+        one_step()
+    assert c.count() == 0, c.summary()
+    assert caches.sizes()["loco_megatron.kernels.block_table._cached"] > 512  # some coincide
+    caches.clear()
+    assert caches.sizes()["loco_megatron.kernels.block_table._cached"] == 0
+
+
+def test_weight_difference_encode_allocates_no_error_buffer():
+    """The discarded error of a weight difference: no new buffer, spans copy or host read per
+    call once warm (was a fresh fp32 ErrorBuffer, ``spans.to(device)`` and ``int(spans.sum())``
+    per bucket per step); codes and scales unchanged."""
+    lay = BucketLayout.build(2 * 3000, 2, 64, (700, 2500))
+    diff = torch.randn(lay.shard, generator=torch.Generator().manual_seed(0))
+    first = weight_difference.encode_difference("cpu", diff, lay, 1, 4)
+    with HostSyncCounter() as c:
+        again = weight_difference.encode_difference("cpu", diff, lay, 1, 4)
+    assert c.count(owner="loco") == 0, c.summary()
+    ref = weight_difference.encode_difference("torch", diff, lay, 1, 4)
+    for a, b, r in zip(first, again, ref):
+        assert torch.equal(a, b) and torch.equal(a, r)
+
+
+def test_auto_kernels_refuse_a_gpu_without_triton(monkeypatch):
+    """``--loco-kernels auto`` on a CUDA tensor without Triton: one line naming the flag (it
+    used to run the torch reference silently, copying tables to the device on every call)."""
+    from loco_megatron.kernels import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "triton", None)
+    on_gpu = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"--loco-kernels auto: Triton is not installed.*"
+                                         r"--loco-kernels torch"):
+        kernels.select("auto", on_gpu)
+    assert kernels.select("torch", on_gpu) == "torch"
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--cuda-graph-impl", "full_iteration"], "--cuda-graph-impl full_iteration"),
+    (["--cuda-graph-scope", "full_iteration"], "--cuda-graph-scope full_iteration")])
+def test_full_iteration_cuda_graph_refused_in_one_line(flags, named, monkeypatch):
+    """Refused at preflight (and by the ranks, tests/unit/test_preflight_table.py) with a line
+    naming the flag; per-layer graphs and LoCo off pass."""
+    from loco_megatron.cli.preflight import preparse_loco_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = ["--use-distributed-optimizer"]
+    with pytest.raises(LoCoConfigError) as err:
+        preparse_loco_config([*base, "--loco-bits", "4", *flags])
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"{named} cannot be used with --loco-bits 4")
+    preparse_loco_config([*base, "--loco-bits", "16", *flags])
+    preparse_loco_config([*base, "--loco-bits", "4", "--cuda-graph-impl", "local",
+                          "--cuda-graph-modules", "attn", "mlp"])
+    assert isinstance(preparse_loco_config([*base]), LoCoConfig)
+
+
+def test_megatron_coalesces_without_a_device():
+    """LoCo issues its all-to-alls, and waits on them, inside megatron-core's
+    ``_coalescing_manager`` blocks (param_and_grad_buffer.py). That is legal on NCCL only
+    because megatron calls it without ``device=``: then every collective in the block runs
+    eagerly, not batched until the block ends. An upgrade that passes a device would make
+    LoCo's waits inside the block hang: this reads every call in the installed megatron-core."""
+    import ast
+    import inspect
+
+    from megatron.core.distributed import param_and_grad_buffer
+
+    tree = ast.parse(inspect.getsource(param_and_grad_buffer))
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", getattr(n.func, "attr", None)) == "_coalescing_manager"]
+    assert calls, "megatron-core no longer calls _coalescing_manager: re-check LoCo's seam"
+    for call in calls:
+        assert "device" not in {k.arg for k in call.keywords} and len(call.args) < 2, \
+            f"param_and_grad_buffer.py:{call.lineno} passes a device to _coalescing_manager"
