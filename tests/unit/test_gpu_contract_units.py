@@ -126,12 +126,25 @@ def test_weight_difference_encode_allocates_no_error_buffer():
     """The discarded error of a weight difference: no new buffer, spans copy or host read per
     call once warm (was a fresh fp32 ErrorBuffer, ``spans.to(device)`` and ``int(spans.sum())``
     per bucket per step); codes and scales unchanged."""
+    from torch.overrides import TorchFunctionMode
+
     lay = BucketLayout.build(2 * 3000, 2, 64, (700, 2500))
     diff = torch.randn(lay.shard, generator=torch.Generator().manual_seed(0))
     first = weight_difference.encode_difference("cpu", diff, lay, 1, 4)
-    with HostSyncCounter() as c:
+    buffers = []
+
+    class Allocations(TorchFunctionMode):  # fp32 tensors of a shard's size or more
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.zeros, torch.empty, torch.full) and out.dtype == torch.float32 \
+                    and out.numel() >= lay.shard:
+                buffers.append(out.numel())
+            return out
+
+    with HostSyncCounter() as c, Allocations():
         again = weight_difference.encode_difference("cpu", diff, lay, 1, 4)
     assert c.count(owner="loco") == 0, c.summary()
+    assert buffers == [], buffers
     ref = weight_difference.encode_difference("torch", diff, lay, 1, 4)
     for a, b, r in zip(first, again, ref):
         assert torch.equal(a, b) and torch.equal(a, r)
