@@ -101,6 +101,9 @@ class NonfiniteMonitor:
         return new
 
     def _warn(self) -> None:
+        stream = self.compensator.nonfinite_stream
+        if stream is not None:  # the per-bucket flags were written there (a warning: may wait)
+            stream.synchronize()
         buckets = sorted(str(k) for k, c in self.compensator.last_nonfinite.items()
                          if int(c) > 0)  # host reads only now that a warning fires
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -63,20 +63,28 @@ class EventTimer:
         assert self._start is not None, f"timer {self.name} is not started"
         self._pairs.append((self._start, self._mark()))
         self._start = None
+        self._resolve(wait=False)  # pairs already done: a bounded number stays pending
 
-    def _resolve(self) -> None:
+    def _resolve(self, wait: bool = True) -> None:
+        """Add the recorded pairs to the totals, in order; ``wait=False`` stops at the first
+        whose end event has not completed (``query``: no sync)."""
+        done = 0
         for begin, end in self._pairs:
             if isinstance(begin, float):
                 seconds = end - begin
             else:
-                end.synchronize()  # only here, when Megatron reads the timer
+                if not wait and not end.query():
+                    break
+                end.synchronize()  # with wait: only when Megatron reads the timer
                 seconds = begin.elapsed_time(end) / 1000.0
             self._elapsed += seconds
             self._active_time += seconds
-        self._pairs.clear()
+            done += 1
+        del self._pairs[:done]
 
     def reset(self):
         self._pairs.clear()
+        self._start = None
         self._elapsed = 0.0
 
     def elapsed(self, reset=True, barrier=False) -> float:

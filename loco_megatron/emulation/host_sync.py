@@ -15,13 +15,15 @@ them on a GPU:
     the emulation's stand-ins);
 ``h2d``
     ``torch.tensor`` / ``torch.as_tensor`` of Python data asked for a CUDA device, ``.cuda()`` or
-    ``.to(cuda)`` of a tensor known to live on the host (see below);
+    ``.to(cuda)`` of a tensor known to live on the host (see below), ``copy_`` of a host tensor
+    into a device tensor (``.to(x.device)`` is not seen: under the emulation every device is
+    the CPU);
 ``host_build``
     ``torch.tensor`` / ``torch.as_tensor`` of Python data on the host: on a GPU it is either
     copied to the device next (a cache miss of a block table) or per-step host work.
 
-A tensor "lives on the host" when it was built from Python data inside the window, or derived
-from such a tensor, or carries the attribute :data:`HOST_ATTR` (LoCo's CPU-side tables, e.g. a
+A tensor "lives on the host" when it was built from Python data inside the window, or computed
+from such tensors only, or carries the attribute :data:`HOST_ATTR` (LoCo's CPU-side tables, e.g. a
 block table's ``spans``): operations on those are not device syncs. Every event is attributed to the innermost caller outside torch,
 this emulation package and megatron-core's ``timers.py`` (a timer's synchronize belongs to
 whoever starts the timer): ``owner`` is ``"loco"`` for ``loco_megatron`` code, else ``"other"``.
@@ -141,7 +143,8 @@ class HostSyncCounter(TorchFunctionMode):
     # -- the mode ----------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        host_input = any(self._on_host(t) for t in _tensors((args, kwargs)))
+        inputs = [self._on_host(t) for t in _tensors((args, kwargs))]
+        host_input = bool(inputs) and all(inputs)  # a host op (device inputs make it a device op)
         if func in _FACTORIES and args and not isinstance(args[0], torch.Tensor):
             cuda = _is_cuda(kwargs.get("device"))
             self._record("h2d" if cuda else "host_build", _FACTORIES[func])
@@ -149,7 +152,9 @@ class HostSyncCounter(TorchFunctionMode):
             if not cuda:
                 self.mark_host(out)
             return out
-        if not host_input:
+        if func is _T.copy_ and len(args) > 1 and inputs[1] and not inputs[0]:
+            self._record("h2d", "copy_ from the host")  # a device tensor takes host data
+        elif not host_input:
             if func in _SYNC_CALLS:
                 self._record("sync", _SYNC_CALLS[func])
             elif func in _INDEXING and len(args) > 1 and any(

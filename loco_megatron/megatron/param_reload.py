@@ -25,8 +25,8 @@ Two things are wrapped or provided here:
     the start of a load: the checkpoint hooks' wrapped ``dist_checkpointing.load`` of a
     model-only load (the ``torch_dist`` format loads the model's tensors in place, before the
     model's ``load_state_dict`` is called; a load with the optimizer's state restores the main
-    parameters in place too, so it takes no snapshot there) or the model's
-    ``load_state_dict``, whichever comes first.
+    parameters in place too, so it takes no snapshot there and :func:`full_load` drops what
+    was pending) or the model's ``load_state_dict``, whichever comes first.
     Differences still pending (encoded at the last optimizer step, not yet all-gathered) are
     all-gathered and applied first, as stock's pending all-gather would deliver that step, then
     the checksums are taken. The snapshot lasts until the next weight difference is encoded,
@@ -111,6 +111,18 @@ def snapshot(state) -> None:
         sync.gather(e, async_op=False)  # all-gather would (all ranks load)
     params = [p for e in entries for p in e.bucket.params]
     sync.load_snapshot = dict(zip(map(id, params), _fingerprints(params)))
+
+
+def full_load(state) -> None:
+    """A load with the optimizer's state begins (the ``torch_dist`` format: model tensors and
+    main parameters restored in place): differences still pending are dropped (the loaded
+    parameters replace what they would have changed) and an earlier snapshot is forgotten, so
+    the model's ``load_state_dict`` compares against the loaded tensors and refreshes nothing
+    (the main parameters are the loaded ones)."""
+    sync = getattr(state, "param_sync", None)
+    if sync is not None:
+        sync.invalidate()
+        sync.load_snapshot = None
 
 
 def model_loaded(state, ddp, params) -> Set:

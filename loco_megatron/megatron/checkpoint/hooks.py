@@ -133,6 +133,7 @@ def _wrap_dist_load(orig, state):
             # parameters itself, in place too: nothing to refresh from the model)
             param_reload.snapshot(state)
             return orig(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        param_reload.full_load(state)  # pending differences and an earlier snapshot are void
         # every rank: the LoCo entries applied at once, one decision (checkpoint.agree)
         with agree.load_round(kwargs.get("process_group")), \
                 dist_format.optional_loco_keys(sharded_state_dict):
