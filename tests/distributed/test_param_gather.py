@@ -204,6 +204,32 @@ def test_resume_bit_identical(run_ranks, tmp_path, config, dtype):
             assert second["logs"] == [], second["logs"]
 
 
+def test_full_resume_after_a_model_only_load_is_exact(run_ranks, tmp_path):
+    """``--loco-param-bits 4``, fp32, ``torch_dist`` through the DDP model as Megatron-LM loads:
+    a model-only load of the checkpoint, then the full resume in the same process, continue
+    bit for bit as the uninterrupted run (the full load restores the main parameters in place;
+    a snapshot left by the model-only load made the model load refresh them from ``held``)."""
+    import os
+
+    from .worker_ckpt import ckpt_worker
+
+    n, d = 3, str(tmp_path)
+    cfg = dict(block_size=64, param_bits=4)
+    saves = run_ranks(ckpt_worker, 2, 1, [
+        {"phase": "straight", "config": cfg, "steps": 2 * n},
+        {"phase": "save", "config": cfg, "steps": n, "formats": ["torch_dist"], "dir": d}])
+    loads = run_ranks(ckpt_worker, 2, 1, [
+        {"phase": "load", "config": cfg, "steps": n, "format": "torch_dist", "via_ddp": True,
+         "model_first": first, "dir": os.path.join(d, "torch_dist")} for first in (False, True)])
+    for rank in range(2):
+        straight, saved = saves[rank]
+        for second in loads[rank]:
+            assert "error" not in second, second.get("error")
+            assert saved["losses"] + second["losses"] == straight["losses"]
+            for name, p in straight["params"].items():
+                assert torch.equal(p, second["params"][name]), name
+
+
 def test_fp16_overflow_step_sends_nothing(run_ranks):
     """fp16 with the dynamic loss scaler: the step megatron skips on overflow has no new
     difference, so nothing is gathered; replicas stay identical throughout."""

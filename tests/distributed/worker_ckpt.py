@@ -73,10 +73,11 @@ def save(model, opt, fmt, ckpt_dir):
 
 
 @torch.no_grad()
-def load(model, opt, fmt, ckpt_dir, strict=None):
+def load(model, opt, fmt, ckpt_dir, strict=None, via_ddp=False):
     """Load what :func:`save` wrote into a freshly built model and optimizer (``strict``: the
     ``dist_checkpointing.load`` strictness, Megatron-LM's ``--dist-ckpt-strictness``; None:
-    megatron-core's default)."""
+    megatron-core's default; ``via_ddp``: the ``torch_dist`` model state goes through the DDP
+    model's ``load_state_dict``, as Megatron-LM's ``load_checkpoint`` does)."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -97,8 +98,17 @@ def load(model, opt, fmt, ckpt_dir, strict=None):
     if isinstance(loaded, tuple):  # return_unexpected / return_all: (state, missing, unexpected)
         loaded, missing, unexpected = loaded
         assert not missing and not unexpected, (missing, unexpected)
-    model.module.load_state_dict(loaded["model"])
+    (model if via_ddp else model.module).load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
+
+
+def load_model_only(model, ckpt_dir):
+    """A model-only ``torch_dist`` load through the DDP model (``--finetune``,
+    ``--no-load-optim``, a base-weights load)."""
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load({"model": model.module.sharded_state_dict()}, ckpt_dir)
+    model.load_state_dict(loaded["model"])
 
 
 def errors(state):
@@ -147,7 +157,10 @@ def _run_job(job, records):
         if job["phase"] == "load":
             error = None
             try:
-                load(model, opt, job["format"], job["dir"], job.get("strict"))
+                if job.get("model_first"):  # a model-only load first, in the same process
+                    load_model_only(model, job["dir"])
+                load(model, opt, job["format"], job["dir"], job.get("strict"),
+                     job.get("via_ddp", False))
             except BaseException as e:  # torch DCP raises CheckpointException(BaseException)
                 if isinstance(e, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -193,7 +206,8 @@ def ckpt_worker(rank, world, tp, jobs):
     """Run ``jobs`` in order on one rank; each job builds a fresh model under its own install().
 
     A job: ``{"phase": "straight" | "save" | "load", "config": LoCoConfig kwargs, "steps": n,
-    "dir": checkpoint directory, "formats": [...] (save) or "format": fmt (load)}``. "save"
+    "dir": checkpoint directory, "formats": [...] (save) or "format": fmt (load); a load may
+    add "via_ddp" and "model_first": :func:`load_model_only` before the full load}``. "save"
     trains then saves to ``dir/<format>``; "load" loads ``dir`` then trains. Returns one dict
     per job: losses, params, error buffers, step counters, resets, "LoCo..." log lines, the
     DP-sum of the errors before saving / after loading, or ``{"error": message}`` when a load
