@@ -40,6 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..patching import PatchSet
+from .cpu_cuda import _is_cuda_device
 
 _T = torch.Tensor
 #: method or function -> the name an event carries (``sync`` category)
@@ -80,13 +81,6 @@ def _caller() -> tuple:
             return owner, f"{os.path.relpath(path, os.path.dirname(_PKG))}:{frame.f_lineno}"
         frame = frame.f_back
     return "other", "?"
-
-
-def _is_cuda(device) -> bool:
-    if isinstance(device, int):
-        return True
-    return (isinstance(device, str) and device.startswith("cuda")) or (
-        isinstance(device, torch.device) and device.type == "cuda")
 
 
 def _tensors(obj):
@@ -146,7 +140,7 @@ class HostSyncCounter(TorchFunctionMode):
         inputs = [self._on_host(t) for t in _tensors((args, kwargs))]
         host_input = bool(inputs) and all(inputs)  # a host op (device inputs make it a device op)
         if func in _FACTORIES and args and not isinstance(args[0], torch.Tensor):
-            cuda = _is_cuda(kwargs.get("device"))
+            cuda = _is_cuda_device(kwargs.get("device"))
             self._record("h2d" if cuda else "host_build", _FACTORIES[func])
             out = func(*args, **kwargs)
             if not cuda:
@@ -164,7 +158,7 @@ class HostSyncCounter(TorchFunctionMode):
                     and isinstance(args[1], torch.Tensor) and args[1].numel() > 1:
                 self._record("sync", "repeat_interleave without output_size")
         elif func is _T.cuda or (func is _T.to and any(
-                _is_cuda(a) for a in list(args[1:]) + [kwargs.get("device")])):
+                _is_cuda_device(a) for a in list(args[1:]) + [kwargs.get("device")])):
             self._record("h2d", "to(cuda)" if func is _T.to else "cuda")
         out = func(*args, **kwargs)
         if host_input:

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from .worker_ckpt import load_model_only
 from .worker_megatron import build_gpt, forward_backward, setup
 from .worker_param_gather import replicas_identical
 
@@ -33,14 +34,6 @@ def _params(model):
     return {n: p.detach().float().clone() for n, p in model.module.named_parameters()}
 
 
-def _dist_load(model, path):
-    """Megatron-LM's ``torch_dist`` model load: ``dist_checkpointing.load`` of the model's
-    sharded state dict (its tensors loaded in place), then ``model.load_state_dict``."""
-    from megatron.core import dist_checkpointing
-
-    model.load_state_dict(dist_checkpointing.load(model.module.sharded_state_dict(), path))
-
-
 def model_load_worker(rank, world, dtype, reload, dist_dir=None):
     """Per mode (``stock``: megatron-core alone, always with ``reload_model_params`` as
     Megatron-LM calls it; ``param4``: ``--loco-param-bits 4``, with ``reload`` as given):
@@ -48,7 +41,7 @@ def model_load_worker(rank, world, dtype, reload, dist_dir=None):
     one), ``identical`` (replicas bit-identical then and after the next step), ``after`` (the
     parameters after that step, fp32) and ``trained`` (before the load). ``dist_dir``: the
     step-0 state is saved with ``dist_checkpointing`` there and loaded as Megatron-LM's
-    ``torch_dist`` format does (:func:`_dist_load`), else ``model.load_state_dict`` of a copy."""
+    ``torch_dist`` format does (:func:`.worker_ckpt.load_model_only`), else ``model.load_state_dict`` of a copy."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -66,13 +59,13 @@ def model_load_worker(rank, world, dtype, reload, dist_dir=None):
                 if rank == 0:
                     os.makedirs(path)
                 torch.distributed.barrier()
-                dist_checkpointing.save(model.module.sharded_state_dict(), path)
+                dist_checkpointing.save({"model": model.module.sharded_state_dict()}, path)
             for _ in range(STEPS):
                 forward_backward(model, opt)
                 opt.step()
             trained = _params(model)
             with torch.no_grad():
-                _dist_load(model, path) if path else model.load_state_dict(snap)
+                load_model_only(model, path) if path else model.load_state_dict(snap)
             if mode == "stock" or reload:
                 opt.reload_model_params()
             model.start_param_sync(force_sync=True)  # what the next forward's hooks do
