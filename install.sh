@@ -7,9 +7,17 @@
 #   (run again with another MCORE_VERSION to switch that venv's megatron-core in place)
 #   MCORE_VERSION=0.13.1 | 0.16.1 | ... (default: the newest 0.19.x)
 #   TORCH_VERSION=2.13.0 (default on Python 3.11: the CPU build on local disk; on 3.12: any)
+# Megatron-Bridge (docs/megatron_bridge.md): VARIANT=bridge bash install.sh makes .venv-bridge with
+#   the pinned megatron-bridge (--no-deps) and its curated dependencies, both from ONE file:
+#   tools/bridge/requirements.txt
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
-VENV=${VENV:-.venv}
+VARIANT=${VARIANT:-}
+case "$VARIANT" in
+  "") VENV=${VENV:-.venv} ;;
+  bridge) VENV=${VENV:-.venv-bridge} ;;
+  *) echo "install.sh: VARIANT=$VARIANT is not known (use VARIANT=bridge, or leave it unset)" >&2; exit 1 ;;
+esac
 if [ -n "${PYTHON:-}" ]; then WANT_PY=$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) \
   || { echo "install.sh: PYTHON=$PYTHON does not run" >&2; exit 1; }
 else WANT_PY=3.12; fi
@@ -43,7 +51,8 @@ stamp="$VENV/.loco-installed"
 # The stamp holds the versions asked for (empty by default), so a venv is switched in place when
 # MCORE_VERSION / TORCH_VERSION change (the CI's compatibility legs share one Python 3.11 venv).
 want="${MCORE_VERSION:+megatron-core==$MCORE_VERSION }${TORCH_VERSION:+torch==$TORCH_VERSION}"
-if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ install.sh -nt "$stamp" ] \
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ] \
+   || [ install.sh -nt "$stamp" ] \
    || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first: from the package index (its CUDA build also runs on CPU), or the pinned version.
   if [ -n "$TORCH_VERSION" ]; then
@@ -56,4 +65,17 @@ if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ install.sh -nt "$stamp" ]
   # A pinned torch stays as installed above (keeps pip from replacing it with a CUDA build).
   "${PIP[@]}" -e ".[test,bench]" "$MCORE_SPEC" ${TORCH_VERSION:+"torch==$TORCH_VERSION"}
   printf '%s' "$want" > "$stamp"
+fi
+if [ "$VARIANT" = bridge ]; then
+  reqs=tools/bridge/requirements.txt
+  bstamp="$VENV/.loco-bridge-installed"
+  if [ ! -f "$bstamp" ] || [ "$reqs" -nt "$bstamp" ] || [ install.sh -nt "$bstamp" ]; then
+    pin=$(grep -E '^megatron-bridge==' "$reqs")
+    echo "install.sh: installing $pin (--no-deps) and the dependencies listed in $reqs" >&2
+    "${PIP[@]}" --no-deps "$pin"
+    # The installed torch and megatron-core stay: pip may not swap them for the deps' wishes.
+    torch_pin="torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+    "${PIP[@]}" -r <(grep -vE '^megatron-bridge==' "$reqs") "$MCORE_SPEC" "$torch_pin"
+    touch "$bstamp"
+  fi
 fi

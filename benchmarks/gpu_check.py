@@ -177,15 +177,15 @@ def run_child(cmd: List[str], log: Path, timeout: float, env=None) -> Dict:
 
 def install_stale_reason(root: Path = ROOT, env=None) -> Optional[str]:
     """Why ``bash install.sh`` (which run_pretrain.sh runs first) would reinstall, by its own
-    test (stamp missing, setup.py or install.sh newer, other versions asked for); None when it
-    is a no-op."""
+    test (stamp missing, pyproject.toml, setup.py or install.sh newer, other versions asked
+    for); None when it is a no-op."""
     env = os.environ if env is None else env
     venv = root / env.get("VENV", ".venv")
     stamp = venv / ".loco-installed"
     if not stamp.is_file():
         return f"{os.path.relpath(stamp, root)} is missing"
-    for f in ("setup.py", "install.sh"):
-        if (root / f).stat().st_mtime > stamp.stat().st_mtime:
+    for f in ("pyproject.toml", "setup.py", "install.sh"):  # a missing one is not newer
+        if (root / f).is_file() and (root / f).stat().st_mtime > stamp.stat().st_mtime:
             return f"{f} is newer than {os.path.relpath(stamp, root)}"
     mc, tv = env.get("MCORE_VERSION", ""), env.get("TORCH_VERSION", "")
     want = (f"megatron-core=={mc} " if mc else "") + (f"torch=={tv}" if tv else "")

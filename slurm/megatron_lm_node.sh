@@ -8,7 +8,7 @@
 #
 # Environment: MEGATRON_LM (required), NNODES (1), NODE_RANK (0), MASTER_ADDR (127.0.0.1),
 # MASTER_PORT (29517), GPUS_PER_NODE (else the GPUs are counted), NPROC (ranks per node; default
-# the GPUs, 2 without a GPU: then pass Megatron's CPU flags, see docs/megatron_lm.md),
+# the GPUs, 2 without a GPU: the wrapper then adds the CPU-compatible Megatron flags you did not pass),
 # LOCO_PYTHON (the Python with loco-megatron installed; default this repository's .venv, built by
 # install.sh), LOCO_DRY_RUN=1 (print the command instead of running it).
 set -euo pipefail

@@ -2,7 +2,8 @@
 
 * registers the markers (here only; pytest.ini declares none);
 * marks every test by the folder it lives in: tests/unit -> ``unit``, tests/distributed ->
-  ``distributed``, tests/launch -> ``launch``, tests/benchmarks -> ``benchmark``. A test file
+  ``distributed``, tests/launch -> ``launch``, tests/benchmarks -> ``benchmark``, tests/bridge
+  -> ``bridge``. A test file
   outside these folders is a usage error, so every test has exactly one kind;
 * the ``run_ranks`` fixture: :func:`tests.helpers.multiproc.run_ranks`, for tests that start
   gloo (or NCCL) ranks.
@@ -18,7 +19,7 @@ TESTS = Path(__file__).resolve().parent
 
 #: folder under tests/ -> the marker every test in it gets
 KINDS = {"unit": "unit", "distributed": "distributed", "launch": "launch",
-         "benchmarks": "benchmark"}
+         "benchmarks": "benchmark", "bridge": "bridge"}
 
 MARKERS = {
     "unit": "single process, seconds per file (tests/unit/): the fast loop, -m unit",
@@ -26,7 +27,11 @@ MARKERS = {
     "launch": "end to end through a launcher: run_pretrain.sh, torchrun, a Megatron-LM "
               "checkout, the slurm scripts, the Megatron-LM unit-test harness (tests/launch/)",
     "benchmark": "the benchmark harness, benchmarks/ (tests/benchmarks/)",
+    "bridge": "Megatron-Bridge recipes with LoCo (tests/bridge/): need .venv-bridge "
+              "(VARIANT=bridge bash install.sh), skipped elsewhere",
     "gpu": "needs CUDA GPUs and NCCL (skipped when too few GPUs are present)",
+    "slurm": "submits jobs to a throwaway Slurm cluster on this machine (root and Debian's "
+             "slurm packages; skipped otherwise, saying why; tests/launch/test_slurm_cluster.py)",
 }
 
 

@@ -16,6 +16,13 @@ from typing import Any, Dict, Optional, Sequence
 from ..config import LoCoConfig, LoCoConfigError
 from ..planner.errors import PlannerError
 
+#: ``--help``'s description: plain text (the module docstring is reStructuredText)
+DESCRIPTION = ("loco-megatron (also python -m loco_megatron): tools for LoCo low-bit gradient "
+               "communication in Megatron. Training runs in Megatron-LM's own script under "
+               "torchrun: python -m torch.distributed.run ... -m "
+               "loco_megatron.training.run_megatron_lm --megatron-lm CLONE <Megatron-LM flags> "
+               "--loco-bits 4")
+
 #: Megatron-LM flags the planner reads (also from ``--config``), with their argparse type
 MODEL_FLAGS = {
     "num-layers": int, "hidden-size": int, "ffn-hidden-size": int, "num-attention-heads": int,
@@ -151,7 +158,7 @@ def build_plan(args: argparse.Namespace) -> Dict:
 
 def parser() -> argparse.ArgumentParser:
     """``loco-megatron`` with its subcommands."""
-    top = argparse.ArgumentParser(prog="loco-megatron", description=__doc__.split("\n")[0])
+    top = argparse.ArgumentParser(prog="loco-megatron", description=DESCRIPTION)
     sub = top.add_subparsers(dest="command", required=True)
     add_plan_args(sub.add_parser(
         "plan", help="predict LoCo's step-time gain on a cluster (docs/planner.md)",

@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..config import KERNEL_CHOICES
+from ..config import KERNEL_CHOICES, LoCoConfigError
 from .block_table import BlockTable, block_table
 
 __all__ = ["KERNEL_CHOICES", "BlockTable", "block_table", "select", "compress_bucket",
@@ -51,14 +51,19 @@ def select(choice: str, tensor: torch.Tensor) -> str:
 
     Returns ``"torch"``, ``"cpu"`` or ``"triton"``.
 
+    ``auto`` on a CPU tensor falls back to ``torch`` when the C kernels cannot run (no C
+    compiler, ``cpu_kernels.c`` missing from the install, a library that does not load),
+    saying why once in the log.
+
     Raises:
-        ValueError: ``choice`` unknown, or it names an implementation that cannot run on
+        LoCoConfigError: (a ``ValueError``, one line naming the flag; the launch paths end the
+            rank with it) ``choice`` unknown, or it names an implementation that cannot run on
             ``tensor`` (``triton`` without Triton, or on a CPU tensor without
-            ``TRITON_INTERPRET=1``; ``cpu`` on a CUDA tensor or without a C compiler), or
-            ``auto`` on a CUDA tensor without Triton.
+            ``TRITON_INTERPRET=1``; ``cpu`` on a CUDA tensor, without a C compiler or without
+            ``cpu_kernels.c``), or ``auto`` on a CUDA tensor without Triton.
     """
     if choice not in KERNEL_CHOICES:
-        raise ValueError(f"--loco-kernels {choice!r} is not one of {KERNEL_CHOICES}")
+        raise LoCoConfigError(f"--loco-kernels {choice!r} is not one of {KERNEL_CHOICES}")
     if choice == "torch" or tensor.dtype == torch.float64:
         return "torch"
     # device.type, not is_cuda: the CPU emulation of CUDA reports is_cuda for CPU tensors
@@ -68,9 +73,9 @@ def select(choice: str, tensor: torch.Tensor) -> str:
     if reason is None:
         return impl
     if choice != "auto":
-        raise ValueError(f"--loco-kernels {choice}: {reason}")
+        raise LoCoConfigError(f"--loco-kernels {choice}: {reason}")
     if impl == "triton":  # a GPU without Triton: the reference would be slow, and silently
-        raise ValueError(f"--loco-kernels auto: {reason}; on a GPU LoCo needs the Triton "
+        raise LoCoConfigError(f"--loco-kernels auto: {reason}; on a GPU LoCo needs the Triton "
                          f"kernels (the torch reference copies its block tables to the device "
                          f"on every call): install Triton, or pass --loco-kernels torch to "
                          f"run the reference anyway")

@@ -5,8 +5,9 @@ default ``cc``) into ``$LOCO_KERNEL_CACHE`` (default ``~/.cache/loco_megatron/ke
 under a temporary name and renamed, so ranks building at the same time never load a half-written
 file.
 No torch headers are involved (the build takes well under a second). ``$CC`` may carry arguments
-(``CC="ccache gcc"``). Without a working compiler, or when the cached library does not load (a
-truncated file, a ``noexec`` cache directory), ``auto`` falls back to the torch reference
+(``CC="ccache gcc"``). Without a working compiler, without ``cpu_kernels.c`` (an install
+that lacks the package's data files), or when the cached library does not load (a truncated
+file, a ``noexec`` cache directory), ``auto`` falls back to the torch reference
 (:mod:`loco_megatron.algorithm`) and says so once in the log; a failed build leaves no
 temporary file.
 
@@ -61,7 +62,12 @@ def _cpu_flags() -> str:
 @lru_cache(maxsize=1)
 def _load():
     """(library, None) or (None, reason)."""
-    src = SOURCE.read_bytes()
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as exc:  # an install without its package data (a wheel built without it)
+        return None, (f"the C kernel source {SOURCE} cannot be read "
+                      f"({exc.strerror or exc}): this loco-megatron install lacks its package "
+                      f"data; reinstall it (pip install . from the repository, or its wheel)")
     cc = os.environ.get("CC", "cc")
     tag = hashlib.sha256(src + " ".join((cc,) + CFLAGS + (_cpu_flags(),)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"loco_cpu_kernels_{tag}.so"

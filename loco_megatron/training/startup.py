@@ -89,7 +89,9 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
 
     ``argv`` None (the launch paths) means Megatron's own ``sys.argv[1:]``, expanded in place so
     that Megatron's parser sees the file's flags before the command line's (CLI > YAML >
-    defaults); an explicit ``argv`` is only checked.
+    defaults); an explicit ``argv`` is only checked. Without a GPU the launch paths also get
+    the CPU-compatible Megatron settings the user did not set, said in one line
+    (:mod:`.cpu_defaults`), and ``--distributed-backend nccl`` is refused.
 
     The ``megatron`` package that will run must already be importable (for a checkout: its
     directory first on ``sys.path``). Exits through :func:`fail` on a bad LoCo flag, and on
@@ -103,8 +105,9 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
     from ..cli.schedule import ScheduleError, check_lr_schedule
     from ..cli.yaml_config import expand_config_argv
 
+    launching = argv is None
     try:
-        if argv is None:
+        if launching:
             sys.argv[1:] = expand_config_argv(sys.argv[1:])  # --config FILE: its flags, CLI after
             argv = sys.argv[1:]
         else:
@@ -123,6 +126,8 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
     emulated = activate_if_no_gpu()
     if emulated and "--async-save" in argv:
         fail(LoCoConfigError(ASYNC_SAVE_ON_CPU))
+    if emulated:
+        _cpu_settings(argv, launching)
     if not (main_job or emulated or config.bits is not None or config.param_bits is not None):
         return emulated  # LoCo off in the user's own script on a GPU: megatron as shipped
     applied = workarounds.apply_needed(emulated)
@@ -131,6 +136,21 @@ def prepare(argv: Optional[Sequence[str]] = None, *, main_job: bool = False) -> 
         _print_rank_0(f"> loco-megatron workarounds for megatron.training in this environment: "
                       f"{', '.join(applied)} (docs/compatibility.md)")
     return emulated
+
+
+def _cpu_settings(argv, launching: bool) -> None:
+    """On CPU ranks: refuse a GPU-only backend; in a launch path, add the CPU defaults the
+    user did not set to ``sys.argv`` and say so (rank 0, one line)."""
+    from .cpu_defaults import add_cpu_defaults, check_cpu_backend, startup_line
+
+    try:
+        check_cpu_backend(argv)
+    except LoCoConfigError as e:
+        fail(e)
+    if launching:
+        sys.argv[1:], added = add_cpu_defaults(sys.argv[1:])
+        if added:
+            _print_rank_0(startup_line(added))
 
 
 def install_from_args(args, emulated: bool):

@@ -47,6 +47,13 @@ def _replace(owner: Any, attribute: str, value: Any, reason: str) -> bool:
     return True
 
 
+def replace(owner: Any, attribute: str, value: Any, reason: str) -> bool:
+    """Apply one workaround of another launch path (Megatron-Bridge's owners of the same
+    fixes, :mod:`loco_megatron.bridge.workarounds`) in this process's patch set; False when that
+    attribute is replaced already. Listed by :func:`applied`, restored by :func:`remove`."""
+    return _replace(owner, attribute, value, reason)
+
+
 def applied() -> List[str]:
     """``attribute (why)`` of every workaround in force, oldest first."""
     targets = _PATCHES.targets() if _PATCHES is not None else []

@@ -96,11 +96,14 @@ def test_a_patch_applies_to_the_users_clone(tmp_path):
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")
 def test_patched_v0_19_pretrain_gpt_trains_with_loco(tmp_path):
     """The user's way after patching: torchrun pretrain_gpt.py from the checkout, plus
-    --loco-bits 4; no wrapper."""
+    --loco-bits 4; no wrapper, and no CPU flags: the patched script adds them on CPU ranks."""
     checkout = extract_tag("core_v0.19.0", tmp_path / "mlm")
     assert _apply(checkout, "--tag", "core_v0.19.0")[0] == 0
-    rc, out = torchrun(["pretrain_gpt.py"], [*CPU_FLAGS, *TINY_GPT, "--use-distributed-optimizer",
+    assert not set(CPU_FLAGS) & set(TINY_GPT)
+    rc, out = torchrun(["pretrain_gpt.py"], [*TINY_GPT, "--use-distributed-optimizer",
                                              "--loco-bits", "4"], cwd=checkout)
     assert rc == 0, out[-6000:]
+    assert out.count("added the CPU-compatible settings you did not set: --distributed-backend "
+                     "gloo") == 1, out[-6000:]
     assert "> LoCo active: 4-bit compensated reduce-scatter" in out
     assert len([ln for ln in out.splitlines() if " iteration " in ln and "lm loss" in ln]) == 3

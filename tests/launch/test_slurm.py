@@ -17,7 +17,7 @@ def _expected(node_rank: int, nnodes: int, gpus: int, out_dir: str):
     """What run_pretrain.sh must launch on one node (GPU flags; TE absent on this machine)."""
     return [".venv/bin/python", "-m", "torch.distributed.run", "--nnodes", str(nnodes),
             "--node-rank", str(node_rank), "--nproc-per-node", str(gpus), "--master-addr",
-            "gpu-a001", "--master-port", "29517", "-m", "loco_megatron.training.pretrain_gpt",
+            "10.1.0.1", "--master-port", "14242", "-m", "loco_megatron.training.pretrain_gpt",
             "--distributed-backend", "nccl", "--transformer-impl", "local",
             "--no-gradient-accumulation-fusion",
             "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
@@ -27,16 +27,27 @@ def _expected(node_rank: int, nnodes: int, gpus: int, out_dir: str):
             "cosine", "--lr-warmup-iters", "20", "--weight-decay", "0.1", "--clip-grad", "1.0",
             "--seed", "1234", "--use-distributed-optimizer", "--log-interval", "10",
             "--eval-interval", "100", "--eval-iters", "10", "--tensorboard-dir",
-            f"{out_dir}/tensorboard", "--loco-bits", "4", *USER_FLAGS]
+            f"{out_dir}/tensorboard", "--loco-bits", "4", *_ckpt_flags(out_dir), *USER_FLAGS]
+
+
+def _ckpt_flags(out_dir):
+    """The job's own checkpoint flags: save/load in $OUT_DIR/checkpoints, save on SIGTERM."""
+    return ["--save", f"{out_dir}/checkpoints", "--load", f"{out_dir}/checkpoints",
+            "--save-interval", "100", "--exit-signal-handler"]
 
 
 def _fake_slurm_env(tmp_path, **extra):
-    """A 2-node allocation gpu-a[001-002] x 8 GPUs, job 4242, with a fake ``scontrol``."""
+    """A 2-node allocation gpu-a[001-002] x 8 GPUs, job 4242, with a fake ``scontrol`` whose
+    nodes' addresses (NodeAddr 10.1.0.x) differ from their names, as on clusters where node
+    names are not DNS names."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"  # fake: `scontrol show hostnames <nodelist>`
-    scontrol.write_text('#!/bin/bash\n[ "$1 $2 $3" = "show hostnames gpu-a[001-002]" ] '
-                        '&& printf "gpu-a001\\ngpu-a002\\n"\n')
+    scontrol.write_text('#!/bin/bash\n'
+                        'case "$*" in "show hostnames gpu-a[001-002]") printf "gpu-a001\\ngpu-a002\\n";;\n'
+                        '  "show node gpu-a001") echo "NodeName=gpu-a001 Arch=x86_64"; '
+                        'echo "   NodeAddr=10.1.0.1 NodeHostName=gpu-a001";;\n'
+                        '  *) exit 1;; esac\n')
     scontrol.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(
         ("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "GPUS_PER", "MEGATRON_LM", "LOCO_PYTHON"))}
@@ -74,9 +85,10 @@ def test_dry_run_megatron_lm_checkout_2_nodes_x_8_gpus(tmp_path):
                               [*flags, *config])
     assert commands == [
         [f"{ROOT}/.venv/bin/python", "-m", "torch.distributed.run", "--nnodes", "2",
-         "--node-rank", str(rank), "--nproc-per-node", "8", "--master-addr", "gpu-a001",
-         "--master-port", "29517", "-m", "loco_megatron.training.run_megatron_lm", "--megatron-lm",
-         str(checkout), *flags, "--config", f"{ROOT}/configs/tiny_cpu.yaml"] for rank in (0, 1)]
+         "--node-rank", str(rank), "--nproc-per-node", "8", "--master-addr", "10.1.0.1",
+         "--master-port", "14242", "-m", "loco_megatron.training.run_megatron_lm", "--megatron-lm",
+         str(checkout), *_ckpt_flags(f"{ROOT}/runs/slurm-4242"), *flags, "--config",
+         f"{ROOT}/configs/tiny_cpu.yaml"] for rank in (0, 1)]
 
 
 def test_refuses_to_run_outside_slurm():
@@ -93,3 +105,61 @@ def test_megatron_lm_node_refuses_a_missing_checkout():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "MEGATRON_LM=/nonexistent/Megatron-LM is not a directory" in proc.stderr
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+@pytest.mark.parametrize("flags, added", [
+    (["--save", "/ckpt/a"], ["--load", "/ckpt/a"]),  # a requeued job resumes from your --save
+    (["--save=/ckpt/a"], ["--load", "/ckpt/a"]),
+    (["--save", "/ckpt/a", "--load", "/ckpt/b"], []),
+    # your --load alone (a pretrained model): the job still saves, so a preemption keeps work
+    (["--load", "/ckpt/b"], ["--save", "CKPT", "--save-interval", "100"]),
+])
+def test_your_checkpoint_flags_replace_the_jobs(tmp_path, flags, added):
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    commands = _node_commands(_fake_slurm_env(tmp_path, MEGATRON_LM=str(checkout)), flags)
+    tail = commands[0][commands[0].index(str(checkout)) + 1:]
+    ckpt = f"{ROOT}/runs/slurm-4242/checkpoints"
+    assert tail == [*(ckpt if a == "CKPT" else a for a in added), "--exit-signal-handler", *flags]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_requeued_job_with_your_load_resumes_from_its_own_checkpoints(tmp_path):
+    """--load /pretrained alone: once the job's directory holds a checkpoint (a requeued job),
+    --load of that directory comes after yours, so it wins."""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("6")
+    env = _fake_slurm_env(tmp_path, MEGATRON_LM=str(checkout), CKPT_DIR=str(ckpt),
+                          SLURM_RESTART_COUNT="1")
+    commands = _node_commands(env, ["--load", "/pretrained"])
+    tail = commands[0][commands[0].index(str(checkout)) + 1:]
+    assert tail == ["--save", str(ckpt), "--save-interval", "100", "--exit-signal-handler",
+                    "--load", "/pretrained", "--load", str(ckpt)]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_a_config_files_save_counts_as_yours(tmp_path):
+    """save:/load: in a --config YAML file are the user's: the job adds no --save/--load of its
+    own (they would come after the file's flags and win)."""
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("save: /yaml/ckpt\nload: /yaml/ckpt\nsave-interval: 7\n")
+    commands = _node_commands(_fake_slurm_env(tmp_path, MEGATRON_LM=str(checkout)),
+                              ["--config", str(cfg)])
+    tail = commands[0][commands[0].index(str(checkout)) + 1:]
+    assert tail == ["--exit-signal-handler", "--config", str(cfg)]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+def test_master_address_and_port_come_from_slurm_not_the_submitting_shell(tmp_path):
+    """sbatch exports the submitter's environment: a MASTER_ADDR/MASTER_PORT/OUT_DIR there must
+    not reach the job (node 1 would rendezvous with itself; jobs would share checkpoints)."""
+    env = _fake_slurm_env(tmp_path, MASTER_ADDR="localhost", MASTER_PORT="1234",
+                          OUT_DIR="/shared/out")
+    commands = _node_commands(env, USER_FLAGS)
+    assert commands == [_expected(rank, 2, 8, f"{ROOT}/runs/slurm-4242") for rank in (0, 1)]

@@ -179,19 +179,22 @@ def test_step_timeouts_leave_the_later_steps_their_share():
 
 
 def test_install_stale_reason(tmp_path):
-    for f in ("setup.py", "install.sh"):
+    for f in ("pyproject.toml", "setup.py", "install.sh"):
         (tmp_path / f).write_text("x")
     assert "missing" in gpu_check.install_stale_reason(tmp_path, {})
     stamp = tmp_path / ".venv" / ".loco-installed"
     stamp.parent.mkdir()
     stamp.write_text("")
-    os.utime(tmp_path / "setup.py", (1, 1))
-    os.utime(tmp_path / "install.sh", (1, 1))
+    for f in ("pyproject.toml", "setup.py", "install.sh"):
+        os.utime(tmp_path / f, (1, 1))
     assert gpu_check.install_stale_reason(tmp_path, {}) is None
     assert "records" in gpu_check.install_stale_reason(tmp_path, {"MCORE_VERSION": "0.16.1"})
     os.utime(tmp_path / "setup.py", None)
     os.utime(stamp, (2, 2))
     assert gpu_check.install_stale_reason(tmp_path, {}).startswith("setup.py is newer")
+    os.utime(tmp_path / "setup.py", (1, 1))
+    os.utime(tmp_path / "pyproject.toml", None)  # the package metadata
+    assert gpu_check.install_stale_reason(tmp_path, {}).startswith("pyproject.toml is newer")
 
 
 def test_skip_install_shim(tmp_path):

@@ -56,3 +56,28 @@ def test_cc_with_arguments(fresh_build, monkeypatch):
     monkeypatch.setenv("CC", f"{shutil.which('cc')} -DLOCO_UNUSED_MACRO=1")
     assert kernels.select("cpu", torch.zeros(4)) == "cpu"
     assert len(list(fresh_build.glob("*.so"))) == 1
+
+
+def test_missing_c_source_auto_falls_back_in_one_line_and_cpu_refuses(fresh_build, monkeypatch,
+                                                                       caplog):
+    """An install without its package data (a wheel built without ``cpu_kernels.c``): ``auto``
+    runs the torch reference and says once, in one line, which file and why; ``cpu`` refuses in
+    one line naming the file (before: FileNotFoundError from the first compress)."""
+    from loco_megatron.config import LoCoConfigError
+
+    missing = fresh_build / "site" / "loco_megatron" / "kernels" / "cpu_kernels.c"
+    monkeypatch.setattr(cpu, "SOURCE", missing)
+    with caplog.at_level("WARNING", logger="loco_megatron"):
+        assert kernels.select("auto", torch.zeros(4)) == "torch"
+        assert kernels.select("auto", torch.zeros(4, dtype=torch.bfloat16)) == "torch"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("LoCo: using the torch reference on CPU: the C kernel source "
+                               f"{missing} cannot be read (No such file or directory)"), lines
+    with pytest.raises(LoCoConfigError) as refused:
+        kernels.select("cpu", torch.zeros(4))
+    message = str(refused.value)
+    assert message.startswith(f"--loco-kernels cpu: the C kernel source {missing} cannot be "
+                              f"read") and "\n" not in message
+    assert "reinstall" in message
+    assert not any(fresh_build.rglob("*.so"))  # nothing built

@@ -16,7 +16,7 @@ def _sources():
         for path in sorted((ROOT / d).rglob("*")):
             if path.suffix in (".py", ".sh", ".yaml", ".yml") and path.is_file():
                 yield path
-    for name in ("run_pretrain.sh", "install.sh", "setup.py", ".ci/run"):
+    for name in ("run_pretrain.sh", "install.sh", "setup.py", "pyproject.toml", ".ci/run"):
         yield ROOT / name
 
 
