@@ -92,13 +92,17 @@ class SlurmCluster:
         lines = [
             "ClusterName=loco-test", "SlurmctldHost=localhost(127.0.0.1)",
             f"SlurmctldPort={ctld}", "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", f"AuthInfo=socket={r}/munge.socket", "CredType=cred/munge",
+            # cred_expire: a requeued job waits this long before it may start again (default
+            # 120 s); sched_interval: how often pending jobs are retried (default 60 s). Both
+            # only shorten the preemption test's idle wait.
+            "AuthType=auth/munge", f"AuthInfo=socket={r}/munge.socket,cred_expire=20",
+            "CredType=cred/munge",
             f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool-%n",
             f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
             f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd-%n.log",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
-            "SchedulerType=sched/builtin",
+            "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=2",
             "JobCompType=jobcomp/filetxt", f"JobCompLoc={r}/jobcomp.txt",
             "AccountingStorageType=accounting_storage/none",
             "JobAcctGatherType=jobacct_gather/none", "ReturnToService=2",
