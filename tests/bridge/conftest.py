@@ -1,6 +1,7 @@
 """Megatron-Bridge tests (marker ``bridge``): they need the venv of ``VARIANT=bridge bash
 install.sh`` (.venv-bridge) and skip, saying so, where ``megatron.bridge`` is not installed (the
-main venv). Run: ``.venv-bridge/bin/python -m pytest -q -m bridge tests/bridge``.
+main venv); under ``LOCO_REQUIRE_BRIDGE=1`` (``.ci/run`` sets it for the Bridge leg) each of them
+fails instead, with the same reason. Run: ``.venv-bridge/bin/python -m pytest -q -m bridge tests/bridge``.
 
 Puts ``tests/bridge/stand_ins`` first on ``PYTHONPATH`` (the test ranks and the documented
 example get Bridge's stand-ins for GPU-only imports from its ``sitecustomize.py``; README.md
@@ -44,11 +45,38 @@ if bridge_installed():
             multiproc.PRELOAD.append(module)
 
 
+def bridge_required() -> bool:
+    """``LOCO_REQUIRE_BRIDGE=1``: a Bridge test that would skip fails instead (as
+    ``LOCO_REQUIRE_SLURM`` for the live Slurm tests)."""
+    return os.environ.get("LOCO_REQUIRE_BRIDGE") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    if bridge_installed():
+    if bridge_installed() or bridge_required():
         return
     skip = pytest.mark.skip(reason=SKIP_REASON)
     here = Path(__file__).resolve().parent
     for item in items:
         if here in Path(item.path).resolve().parents:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _bridge_is_installed():
+    """Every test here: fails, saying why, where Bridge is missing and required."""
+    if bridge_required() and not bridge_installed():
+        pytest.fail(f"LOCO_REQUIRE_BRIDGE=1: {SKIP_REASON}", pytrace=False)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under ``LOCO_REQUIRE_BRIDGE=1`` any other skip of a test here (a ``skipif``, an
+    ``importorskip``, a ``pytest.skip`` in a fixture) is reported as a failure with its reason."""
+    outcome = yield
+    report = outcome.get_result()
+    here = Path(__file__).resolve().parent
+    if (report.skipped and bridge_required() and not hasattr(report, "wasxfail")
+            and here in Path(item.path).resolve().parents):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"LOCO_REQUIRE_BRIDGE=1: this Bridge test would skip: {reason}"

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.preloaded import launch_env
+
 ROOT = Path(__file__).resolve().parents[2]
 #: a git mirror of NVIDIA/Megatron-LM the user named (``$LOCO_MEGATRON_LM_MIRROR``), or None
 MIRROR = (Path(os.environ["LOCO_MEGATRON_LM_MIRROR"])
@@ -45,11 +47,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(target, args, cwd=ROOT, timeout=900, nproc=2):
+def torchrun(target, args, cwd=ROOT, timeout=900, nproc=2, preloaded=True):
     """Run ``python -m torch.distributed.run`` with 2 CPU ranks; ``target`` is ``["-m", mod]``
-    or ``[script]``. Returns ``(returncode, stdout + stderr)``."""
+    or ``[script]``. Returns ``(returncode, stdout + stderr)``. ``preloaded``: torchrun and its
+    ranks come from the preloaded launcher (tests/helpers/preloaded.py); pass False for a real
+    Megatron-LM checkout, whose own ``megatron`` package the ranks must import."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
                CUDA_DEVICE_MAX_CONNECTIONS="1")
+    if preloaded:
+        env = launch_env(env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-port", str(free_port()), *target, *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

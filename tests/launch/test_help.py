@@ -12,6 +12,7 @@ import pytest
 from loco_megatron.config import SETTINGS
 
 from ..helpers.markers import requires_megatron_training
+from ..helpers.preloaded import launch_env
 
 pytestmark = requires_megatron_training
 
@@ -27,7 +28,7 @@ SCRIPT = """
 
 
 def _help(argv):
-    env = {**os.environ, "COLUMNS": "200", "RANK": "0"}
+    env = {**launch_env(), "COLUMNS": "200", "RANK": "0"}
     proc = subprocess.run([sys.executable, *argv, "--help"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

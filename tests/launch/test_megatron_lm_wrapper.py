@@ -196,7 +196,8 @@ def test_real_checkout_trains_with_loco(which, tmp_path_factory):
     # core_v0.13.1's mock data draws token ids up to 4095
     flags = [*TINY_GPT[:-1], "4096"] if TINY_GPT[-2] == "--vocab-size" else TINY_GPT
     rc, out = torchrun(WRAPPER, ["--megatron-lm", str(checkout), *CPU_FLAGS, *flags,
-                                 "--use-distributed-optimizer", "--loco-bits", "4"])
+                                 "--use-distributed-optimizer", "--loco-bits", "4"],
+                       preloaded=False)  # the checkout's own megatron package
     assert rc == 0, out[-6000:]
     assert "with megatron-core " in out and f"from {checkout}/megatron/core" in out
     _assert_trained(out)

@@ -101,7 +101,8 @@ def test_patched_v0_19_pretrain_gpt_trains_with_loco(tmp_path):
     assert _apply(checkout, "--tag", "core_v0.19.0")[0] == 0
     assert not set(CPU_FLAGS) & set(TINY_GPT)
     rc, out = torchrun(["pretrain_gpt.py"], [*TINY_GPT, "--use-distributed-optimizer",
-                                             "--loco-bits", "4"], cwd=checkout)
+                                             "--loco-bits", "4"], cwd=checkout,
+                    preloaded=False)  # the checkout's own megatron package
     assert rc == 0, out[-6000:]
     assert out.count("added the CPU-compatible settings you did not set: --distributed-backend "
                      "gloo") == 1, out[-6000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.markers import requires_megatron_training
+from tests.helpers.preloaded import launch_env
 
 pytestmark = requires_megatron_training
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +30,7 @@ def _free_port() -> int:
 
 
 def _run(tmp_path, *flags, check=True):
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     env.setdefault("LOCO_DATA_DIR", str(Path.home() / ".cache" / "loco_megatron" / "data"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, *flags], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -147,7 +148,7 @@ def test_run_pretrain_tensor_parallel(tmp_path):
 
 
 def test_bad_loco_flag_fails_at_startup_naming_it(tmp_path):
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--loco-bits", "3",
                            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -164,7 +165,7 @@ def test_preflight_sees_the_defaults_and_the_world_size(tmp_path, nproc, refused
     """--calculate-per-token-loss: refused before anything starts with the script's default
     --loco-bits 4 at 2 ranks, with the ranks' own line; accepted at 1 rank, where the ranks
     accept it too (DP size 1: nothing is compressed). LOCO_DRY_RUN stops after the checks."""
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"),
+    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"),
                NPROC=nproc, LOCO_DRY_RUN="1")
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT,
                            "--calculate-per-token-loss", "--mock-data", "--tokenizer-type",
@@ -181,7 +182,7 @@ def test_preflight_sees_the_defaults_and_the_world_size(tmp_path, nproc, refused
 
 def test_unconvertible_loco_value_is_one_line(tmp_path):
     """argparse errors of --loco-* values: one error line, no usage text per rank."""
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), "--loco-bits", "four"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
@@ -196,7 +197,7 @@ def test_async_save_refused_on_cpu_ranks(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: --async-save is megatron's own there")
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--mock-data",
                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
                            "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
@@ -210,7 +211,7 @@ def test_async_save_refused_on_cpu_ranks(tmp_path):
 
 
 def test_fsdp_refused_at_startup(tmp_path):
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--use-megatron-fsdp",
                            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"],
                           env=env, capture_output=True, text=True, timeout=600)

@@ -13,6 +13,7 @@ Megatron-LM core_v0.19.0 checkout (``$MEGATRON_LM``, or the tag from
 """
 
 import os
+from pathlib import Path
 
 from loco_megatron.training.cpu_defaults import CPU_DEFAULTS
 
@@ -35,7 +36,9 @@ def _assert_no_cpu_flag_given():
 
 def _run(checkout, *extra):
     _assert_no_cpu_flag_given()
-    return torchrun(WRAPPER, ["--megatron-lm", str(checkout), *COMMAND, *SIZES, *extra])
+    real = (Path(checkout) / "megatron").is_dir()  # a real checkout: its own megatron package
+    return torchrun(WRAPPER, ["--megatron-lm", str(checkout), *COMMAND, *SIZES, *extra],
+                    preloaded=not real)
 
 
 def test_wrapper_trains_on_cpu_without_cpu_flags(tmp_path):

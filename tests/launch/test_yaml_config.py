@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loco_megatron.config import LoCoConfig, LoCoConfigError
+from tests.helpers.preloaded import launch_env
 from loco_megatron.cli.flags import FLAGS, add_loco_args, config_from_args
 from loco_megatron.cli.yaml_config import config_to_argv, expand_config_argv, loco_keys
 
@@ -110,7 +111,7 @@ def test_missing_file_and_missing_argument(tmp_path):
 
 def test_command_line_tools_report_the_error_and_exit_2(tmp_path):
     bad = _write(tmp_path, "loco:\n  bitz: 4\n")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = launch_env()
     for module in ("loco_megatron.cli.yaml_config", "loco_megatron.training.pretrain_gpt"):
         proc = subprocess.run([sys.executable, "-m", module, "--config", bad], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=120)
@@ -164,7 +165,7 @@ def test_yaml_cfg_errors_name_file_and_key(tmp_path, text, expected):
 def test_tiny_cpu_config_trains_with_cli_overrides(tmp_path):
     from tests.launch.test_run_pretrain import _free_port, _losses
 
-    env = dict(os.environ, MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
     env.setdefault("LOCO_DATA_DIR", str(Path.home() / ".cache" / "loco_megatron" / "data"))
     proc = subprocess.run(
         ["bash", str(ROOT / "run_pretrain.sh"), "--config", "configs/tiny_cpu.yaml",
