@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+HERE = Path(__file__).resolve().parent
+STAND_INS = HERE / "stand_ins"
 
 
 def bridge_installed() -> bool:
@@ -51,32 +52,27 @@ def bridge_required() -> bool:
     return os.environ.get("LOCO_REQUIRE_BRIDGE") == "1"
 
 
+def _here(item) -> bool:
+    return HERE in Path(item.path).resolve().parents
+
+
 def pytest_collection_modifyitems(config, items):
-    if bridge_installed() or bridge_required():
+    if bridge_installed():
         return
     skip = pytest.mark.skip(reason=SKIP_REASON)
-    here = Path(__file__).resolve().parent
     for item in items:
-        if here in Path(item.path).resolve().parents:
+        if _here(item):
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def _bridge_is_installed():
-    """Every test here: fails, saying why, where Bridge is missing and required."""
-    if bridge_required() and not bridge_installed():
-        pytest.fail(f"LOCO_REQUIRE_BRIDGE=1: {SKIP_REASON}", pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under ``LOCO_REQUIRE_BRIDGE=1`` any other skip of a test here (a ``skipif``, an
-    ``importorskip``, a ``pytest.skip`` in a fixture) is reported as a failure with its reason."""
+    """Under ``LOCO_REQUIRE_BRIDGE=1`` a skip of a test here (Bridge missing, or a ``skipif``,
+    an ``importorskip``, a ``pytest.skip`` in a fixture) is reported as a failure with its
+    reason."""
     outcome = yield
     report = outcome.get_result()
-    here = Path(__file__).resolve().parent
-    if (report.skipped and bridge_required() and not hasattr(report, "wasxfail")
-            and here in Path(item.path).resolve().parents):
+    if report.skipped and bridge_required() and not hasattr(report, "wasxfail") and _here(item):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"LOCO_REQUIRE_BRIDGE=1: this Bridge test would skip: {reason}"

@@ -4,9 +4,7 @@ Short runs (a few iterations) of exactly what a user starts; the full 300-iterat
 losses are in the README.
 """
 
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.markers import requires_megatron_training
+from tests.helpers.megatron_lm_checkouts import free_port
 from tests.helpers.preloaded import launch_env
 
 pytestmark = requires_megatron_training
@@ -23,14 +22,14 @@ SHORT = ["--train-iters", "4", "--lr-warmup-iters", "1", "--log-interval", "1",
          "--max-position-embeddings", "64", "--num-layers", "2", "--hidden-size", "64"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _env(tmp_path, **extra):
+    """The environment of one ``run_pretrain.sh`` launch: the preloaded launcher's, a free
+    rendezvous port and ``OUT_DIR`` under ``tmp_path``, plus ``extra``."""
+    return dict(launch_env(), MASTER_PORT=str(free_port()), OUT_DIR=str(tmp_path / "run"), **extra)
 
 
 def _run(tmp_path, *flags, check=True):
-    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = _env(tmp_path)
     env.setdefault("LOCO_DATA_DIR", str(Path.home() / ".cache" / "loco_megatron" / "data"))
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, *flags], env=env,
                           capture_output=True, text=True, timeout=900)
@@ -148,7 +147,7 @@ def test_run_pretrain_tensor_parallel(tmp_path):
 
 
 def test_bad_loco_flag_fails_at_startup_naming_it(tmp_path):
-    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = _env(tmp_path)
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--loco-bits", "3",
                            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -165,8 +164,7 @@ def test_preflight_sees_the_defaults_and_the_world_size(tmp_path, nproc, refused
     """--calculate-per-token-loss: refused before anything starts with the script's default
     --loco-bits 4 at 2 ranks, with the ranks' own line; accepted at 1 rank, where the ranks
     accept it too (DP size 1: nothing is compressed). LOCO_DRY_RUN stops after the checks."""
-    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"),
-               NPROC=nproc, LOCO_DRY_RUN="1")
+    env = _env(tmp_path, NPROC=nproc, LOCO_DRY_RUN="1")
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT,
                            "--calculate-per-token-loss", "--mock-data", "--tokenizer-type",
                            "NullTokenizer", "--vocab-size", "128"],
@@ -182,7 +180,7 @@ def test_preflight_sees_the_defaults_and_the_world_size(tmp_path, nproc, refused
 
 def test_unconvertible_loco_value_is_one_line(tmp_path):
     """argparse errors of --loco-* values: one error line, no usage text per rank."""
-    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = _env(tmp_path)
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), "--loco-bits", "four"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
@@ -197,7 +195,7 @@ def test_async_save_refused_on_cpu_ranks(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: --async-save is megatron's own there")
-    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = _env(tmp_path)
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--mock-data",
                            "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
                            "--save", str(tmp_path / "ckpt"), "--save-interval", "2",
@@ -211,7 +209,7 @@ def test_async_save_refused_on_cpu_ranks(tmp_path):
 
 
 def test_fsdp_refused_at_startup(tmp_path):
-    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = _env(tmp_path)
     proc = subprocess.run(["bash", str(ROOT / "run_pretrain.sh"), *SHORT, "--use-megatron-fsdp",
                            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128"],
                           env=env, capture_output=True, text=True, timeout=600)

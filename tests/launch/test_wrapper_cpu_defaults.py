@@ -13,7 +13,6 @@ Megatron-LM core_v0.19.0 checkout (``$MEGATRON_LM``, or the tag from
 """
 
 import os
-from pathlib import Path
 
 from loco_megatron.training.cpu_defaults import CPU_DEFAULTS
 
@@ -34,11 +33,11 @@ def _assert_no_cpu_flag_given():
     assert not flags & set(SIZES + COMMAND)
 
 
-def _run(checkout, *extra):
+def _run(checkout, *extra, preloaded=True):
+    """``preloaded=False`` for a real checkout: the ranks import its own megatron package."""
     _assert_no_cpu_flag_given()
-    real = (Path(checkout) / "megatron").is_dir()  # a real checkout: its own megatron package
     return torchrun(WRAPPER, ["--megatron-lm", str(checkout), *COMMAND, *SIZES, *extra],
-                    preloaded=not real)
+                    preloaded=preloaded)
 
 
 def test_wrapper_trains_on_cpu_without_cpu_flags(tmp_path):
@@ -60,7 +59,7 @@ def test_explicit_nccl_without_gpus_is_one_line(tmp_path):
 def test_real_checkout_trains_on_cpu_without_cpu_flags(tmp_path_factory):
     which = "MEGATRON_LM" if os.environ.get("MEGATRON_LM") else "core_v0.19.0"
     checkout = real_checkout(which, tmp_path_factory)
-    rc, out = _run(checkout)
+    rc, out = _run(checkout, preloaded=False)
     assert rc == 0, out[-6000:]
     assert out.count(ADDED) == 1, out[-6000:]
     assert f"from {checkout}/megatron/core" in out

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from loco_megatron.config import LoCoConfig, LoCoConfigError
-from tests.helpers.preloaded import launch_env
 from loco_megatron.cli.flags import FLAGS, add_loco_args, config_from_args
 from loco_megatron.cli.yaml_config import config_to_argv, expand_config_argv, loco_keys
+from tests.helpers.preloaded import launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -163,9 +163,9 @@ def test_yaml_cfg_errors_name_file_and_key(tmp_path, text, expected):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
 def test_tiny_cpu_config_trains_with_cli_overrides(tmp_path):
-    from tests.launch.test_run_pretrain import _free_port, _losses
+    from tests.launch.test_run_pretrain import _env, _losses
 
-    env = dict(launch_env(), MASTER_PORT=str(_free_port()), OUT_DIR=str(tmp_path / "run"))
+    env = _env(tmp_path)
     env.setdefault("LOCO_DATA_DIR", str(Path.home() / ".cache" / "loco_megatron" / "data"))
     proc = subprocess.run(
         ["bash", str(ROOT / "run_pretrain.sh"), "--config", "configs/tiny_cpu.yaml",
