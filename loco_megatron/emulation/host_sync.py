@@ -10,9 +10,12 @@ them on a GPU:
 ``sync``
     ``Tensor.item``, ``.tolist``, ``.cpu``, ``.numpy``, ``bool()`` / ``int()`` / ``float()`` /
     ``index()`` of a tensor, ``nonzero``, ``argwhere``, ``masked_select``, ``unique``,
+    ``unique_consecutive``, ``bincount``, one-argument ``torch.where``, ``torch.equal``,
+    ``allclose``, ``is_nonzero``, formatting a tensor (``repr``, ``str``, ``format``),
     ``repeat_interleave`` with tensor repeats and no ``output_size``, boolean-mask indexing,
-    and ``torch.cuda.synchronize`` / ``Stream.synchronize`` / ``Event.synchronize`` (through
-    the emulation's stand-ins);
+    slicing by a tensor (``x[:n]`` with ``n`` a tensor), device-to-host copies (``.to('cpu')``,
+    ``host.copy_(x)`` without ``non_blocking=True``), and ``torch.cuda.synchronize`` /
+    ``Stream.synchronize`` / ``Event.synchronize`` (through the emulation's stand-ins);
 ``h2d``
     ``torch.tensor`` / ``torch.as_tensor`` of Python data asked for a CUDA device, ``.cuda()`` or
     ``.to(cuda)`` of a tensor known to live on the host (see below), ``copy_`` of a host tensor
@@ -22,14 +25,26 @@ them on a GPU:
     ``torch.tensor`` / ``torch.as_tensor`` of Python data on the host: on a GPU it is either
     copied to the device next (a cache miss of a block table) or per-step host work.
 
-A tensor "lives on the host" when it was built from Python data inside the window, or computed
-from such tensors only, or carries the attribute :data:`HOST_ATTR` (LoCo's CPU-side tables, e.g. a
-block table's ``spans``): operations on those are not device syncs. Every event is attributed to the innermost caller outside torch,
+A tensor "lives on the host" when it was built from Python data inside the window or by a factory
+asked for ``device="cpu"`` or ``pin_memory=True``, or computed from such tensors only, or carries
+the attribute :data:`HOST_ATTR` (LoCo's CPU-side tables, e.g. a block table's ``spans``):
+operations on those are not device syncs. Only the string ``"cpu"`` names the host in ``.to``:
+under the emulation a device tensor's ``.device`` is the CPU too.
+
+torch runs autograd hooks without the function-mode stack, so on its own a mode sees nothing of
+what megatron's backward hooks run with ``overlap_grad_reduce`` on (``register_grad_ready`` ->
+``start_grad_sync``: LoCo's compress, its all-to-all launch, the NaN/Inf poll, the hierarchical
+inter-node stage of earlier buckets). While entered, the counter wraps the megatron-core methods
+of :data:`HOOK_ENTRIES` so that a call made outside the mode (from a hook) runs under the modes
+the counter was entered on: itself, and the CPU emulation's (``is_cuda``, ``device="cuda"``),
+which torch drops in hooks as well. Every event is attributed to the innermost caller outside torch,
 this emulation package and megatron-core's ``timers.py`` (a timer's synchronize belongs to
 whoever starts the timer): ``owner`` is ``"loco"`` for ``loco_megatron`` code, else ``"other"``.
 """
 
 import collections
+import functools
+import importlib
 import os
 import sys
 import weakref
@@ -37,10 +52,11 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import (TorchFunctionMode, _get_current_function_mode_stack, _pop_mode,
+                             _push_mode)
 
 from ..patching import PatchSet
-from .cpu_cuda import _is_cuda_device
+from .cpu_cuda import _CPU, _is_cuda_device
 
 _T = torch.Tensor
 #: method or function -> the name an event carries (``sync`` category)
@@ -50,7 +66,19 @@ _SYNC_CALLS = {
     _T.nonzero: "nonzero", torch.nonzero: "nonzero", torch.argwhere: "argwhere",
     _T.argwhere: "argwhere", torch.masked_select: "masked_select",
     _T.masked_select: "masked_select", torch.unique: "unique", _T.unique: "unique",
+    torch.unique_consecutive: "unique_consecutive", _T.unique_consecutive: "unique_consecutive",
+    torch.bincount: "bincount", _T.bincount: "bincount", torch.equal: "equal", _T.equal: "equal",
+    torch.allclose: "allclose", _T.allclose: "allclose", torch.is_nonzero: "is_nonzero",
+    _T.is_nonzero: "is_nonzero", _T.__repr__: "format", _T.__format__: "format",
 }
+#: factories whose ``device="cpu"`` / ``pin_memory=True`` output lives on the host
+_HOST_FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full, torch.arange,
+                   torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like)
+#: ``(module, class, methods)`` of megatron-core that its autograd hooks call
+#: (distributed_data_parallel.py ``_make_backward_post_hook``: ``register_grad_ready``, which
+#: calls ``start_grad_sync`` on the last gradient of a bucket group)
+HOOK_ENTRIES = (("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
+                 ("register_grad_ready", "start_grad_sync", "finish_grad_sync")),)
 _FACTORIES = {torch.tensor: "tensor", torch.as_tensor: "as_tensor"}
 _INDEXING = (_T.__getitem__, _T.__setitem__)
 _REPEAT = (torch.repeat_interleave, _T.repeat_interleave)
@@ -83,6 +111,17 @@ def _caller() -> tuple:
     return "other", "?"
 
 
+def _host_device(d) -> bool:
+    return isinstance(d, str) and d == "cpu" or d is _CPU
+
+
+def _tensor_slice(index) -> bool:
+    """``x[a:b]`` with a tensor bound (its ``__index__`` reads the device)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, slice) and any(isinstance(b, torch.Tensor)
+                                             for b in (p.start, p.stop, p.step)) for p in parts)
+
+
 def _tensors(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -108,6 +147,7 @@ class HostSyncCounter(TorchFunctionMode):
         self.events: List[Event] = []
         self._host: Dict[int, weakref.ref] = {}
         self._patches: Optional[PatchSet] = None
+        self._stack: list = []  # the function modes entered when this counter was
 
     # -- host tensors ------------------------------------------------------------------
     def mark_host(self, tensor: torch.Tensor) -> None:
@@ -146,11 +186,26 @@ class HostSyncCounter(TorchFunctionMode):
             if not cuda:
                 self.mark_host(out)
             return out
+        if func in _HOST_FACTORIES and (kwargs.get("pin_memory") or _host_device(
+                kwargs.get("device"))):
+            out = func(*args, **kwargs)
+            self.mark_host(out)
+            return out
         if func is _T.copy_ and len(args) > 1 and inputs[1] and not inputs[0]:
             self._record("h2d", "copy_ from the host")  # a device tensor takes host data
+        elif func is _T.copy_ and len(args) > 1 and inputs[0] and not inputs[1]:
+            if not (kwargs.get("non_blocking") or args[2:3] == (True,)):
+                self._record("sync", "copy_ to the host")  # the host waits for the device
         elif not host_input:
             if func in _SYNC_CALLS:
                 self._record("sync", _SYNC_CALLS[func])
+            elif func is torch.where and len(args) + len(kwargs) == 1:
+                self._record("sync", "where(condition)")
+            elif func is _T.to and any(_host_device(a) for a in list(args[1:]) + [
+                    kwargs.get("device")]):
+                self._record("sync", "to(cpu)")
+            elif func in _INDEXING and len(args) > 1 and _tensor_slice(args[1]):
+                self._record("sync", "slicing by a tensor")
             elif func in _INDEXING and len(args) > 1 and any(
                     t.dtype == torch.bool for t in _tensors(args[1])):
                 self._record("sync", "boolean-mask indexing")
@@ -171,17 +226,43 @@ class HostSyncCounter(TorchFunctionMode):
             self._record("sync", op)
         return sync
 
+    def _reentering(self, method):
+        """``method``, run under the mode stack this counter was entered on (the CPU
+        emulation's mode below it included) when it is called outside it (from a hook)."""
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            if self in _get_current_function_mode_stack():
+                return method(*args, **kwargs)
+            for mode in self._stack:
+                _push_mode(mode)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                for _ in self._stack:
+                    _pop_mode()
+        return call
+
     def __enter__(self):
         from . import cpu_cuda
 
         self._patches = PatchSet("loco-host-sync-counter", strict=False)
+        for module, cls, methods in HOOK_ENTRIES:
+            try:
+                owner = getattr(importlib.import_module(module), cls)
+            except (ImportError, AttributeError):
+                continue  # no megatron-core here: nothing runs from its hooks
+            for name in methods:
+                if hasattr(owner, name):
+                    self._patches.wrap(owner, name, self._reentering)
         self._patches.replace(torch.cuda, "synchronize", self._device_sync("cuda.synchronize"))
         if cpu_cuda.is_active():
             for cls, name in ((cpu_cuda._Stream, "Stream"), (cpu_cuda._Event, "Event")):
                 self._patches.replace(cls, "synchronize",
                                       lambda self_, _op=f"{name}.synchronize", c=self:
                                       c._record("sync", _op))
-        return super().__enter__()
+        super().__enter__()
+        self._stack = _get_current_function_mode_stack()  # bottom first, this counter last
+        return self
 
     def __exit__(self, *exc):
         try:

@@ -6,7 +6,12 @@ no tensor from host data, with more than 500 buckets of distinct layouts (one pe
 with overlap off megatron makes one bucket per buffer), megatron's timers at ``--timing-log-level 2``, overlap on
 and off: flat LoCo, ``--loco-param-bits 4`` (its
 ``buckets x DP`` shard layouts), ``--loco-full-precision-1d`` and the hierarchical mode (2 nodes
-x 2 ranks). On a logging step with LoCo's telemetry on, at most
+x 2 ranks), each with overlap on and off. With overlap on, megatron runs LoCo's compress, its
+launches and the hierarchical inter-node stage from its backward hooks, where the counter
+re-enters itself (``HOOK_ENTRIES``). The mutation test rides on each leg: after the steady steps,
+one more step with a host sync planted in ``Compensator.compress`` (and, hierarchical, in
+``HierarchicalWork.issue_inter``) must be seen once per call (:data:`~.worker_gpu_contract.PLANTS`).
+On a logging step with LoCo's telemetry on, at most
 :data:`~.worker_gpu_contract.LOGGING_BOUND` (the metrics' reduction), whatever the buckets.
 Counted by :class:`loco_megatron.emulation.host_sync.HostSyncCounter` under the CPU
 emulation; calls attributed to megatron-core itself (its optimizer's norm, its own timers) are
@@ -27,6 +32,8 @@ def _check(results, overlap=True):
         assert res["loco_calls"] > 0  # LoCo did send (a case that sent nothing proves nothing)
         for loco, summary, _ in res["steps"]:
             assert loco == 0, summary
+        for name, (calls, seen, summary) in res["planted"].items():  # the mutation test: a
+            assert calls > 0 and seen == calls, (name, calls, summary)  # sync in each call seen
 
 
 @pytest.mark.parametrize("case", ["flat", "param4", "fp1d"])
@@ -35,8 +42,9 @@ def test_no_host_sync_per_step(run_ranks, case, overlap):
     _check(run_ranks(contract_worker, 2, case, overlap), overlap)
 
 
-def test_no_host_sync_per_step_hierarchical(run_ranks):
-    _check(run_ranks(contract_worker, 4, "hierarchical", True, local_world_size=2))
+@pytest.mark.parametrize("overlap", [False, True], ids=["overlap_off", "overlap_on"])
+def test_no_host_sync_per_step_hierarchical(run_ranks, overlap):
+    _check(run_ranks(contract_worker, 4, "hierarchical", overlap, local_world_size=2), overlap)
 
 
 def test_logging_step_bounded_and_other_steps_free_with_metrics(run_ranks):

@@ -43,6 +43,39 @@ class _WithExtras(torch.nn.Module):
         return self.gpt(*args, **kwargs) + 1e-3 * sum(m() for m in self.extras)
 
 
+#: a host sync planted after a LoCo method, compiled as part of the method's own file (so the
+#: counter attributes it to LoCo, as it would a real one); ``CALLS[name]`` counts its calls
+_PLANT = """
+def planted(orig, name, calls):
+    def method(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        calls[name] = calls.get(name, 0) + 1
+        torch.ones(1).sum().item()  # planted: a host sync (a device tensor's read)
+        return out
+    return method
+"""
+#: case -> the methods a sync is planted in for the last step (the mutation test): the
+#: compress (run from megatron's backward hooks with overlap on) and the hierarchical
+#: inter-node issue (run from the next bucket's hook; overlap on only: with overlap off the
+#: reduce-scatter is synchronous and has no handle)
+PLANTS = {"flat": ("compress",), "fp1d": ("compress",), "hierarchical": ("compress", "inter")}
+
+
+def _plant(name: str, calls: dict):
+    """Plant :data:`_PLANT` in ``name``'s method (``compress``: ``Compensator.compress``,
+    ``inter``: ``HierarchicalWork.issue_inter``); returns a function that removes it."""
+    from loco_megatron import compensator, hierarchical
+
+    module, owner, attr = {"compress": (compensator, compensator.Compensator, "compress"),
+                           "inter": (hierarchical, hierarchical.HierarchicalWork, "issue_inter")
+                           }[name]
+    namespace = {"torch": torch}
+    exec(compile(_PLANT, module.__file__, "exec"), namespace)
+    orig = owner.__dict__[attr]
+    setattr(owner, attr, namespace["planted"](orig, name, calls))
+    return lambda: setattr(owner, attr, orig)
+
+
 #: LoCo's host syncs and copies on a logging step with its metrics on
 #: (:meth:`loco_megatron.metrics.StepMetrics.reduce`: two tables built and read back), whatever
 #: the number of buckets or of steps since the last logging step
@@ -53,7 +86,9 @@ def contract_worker(rank, world, case, overlap, metrics=False):
     """``{"buckets": n, "steps": [(LoCo's events, their summary, all events)]}`` for the
     steady steps of ``case`` (a key of :data:`CASES`); with ``metrics``, LoCo's telemetry is
     on, every step closes its metrics step and the last step is a logging step (its events
-    in ``"logging"``)."""
+    in ``"logging"``). Then, for a case of :data:`PLANTS`, one more step with a sync planted
+    in each of its methods: ``"planted"`` is ``{name: (calls, LoCo's events seen in that
+    method's file, summary)}``."""
     import loco_megatron
     from megatron.core.timers import Timers
 
@@ -88,8 +123,26 @@ def contract_worker(rank, world, case, overlap, metrics=False):
             elif step >= STEADY:
                 steps.append((counter.count(owner="loco"), counter.summary(owner="loco"),
                               counter.count()))
+        planted = {}
+        if case in PLANTS and not metrics:
+            calls, names = {}, [n for n in PLANTS[case] if overlap or n != "inter"]
+            removers = [_plant(name, calls) for name in names]
+            counter = HostSyncCounter()
+            try:
+                with counter:
+                    forward_backward(model, opt)
+                    opt.step()
+            finally:
+                for remove in removers:
+                    remove()
+            files = {"compress": "compensator.py", "inter": "hierarchical.py"}
+            for name in names:
+                seen = [e for e in counter.events if e.owner == "loco"
+                        and e.where.split(":")[0].endswith(files[name])]
+                planted[name] = (calls.get(name, 0), len(seen), counter.summary(owner="loco"))
         sent = state.wire.calls if state.active else state.param_sync.stats.calls
-        return {"buckets": buckets, "steps": steps, "loco_calls": sent, "logging": logging}
+        return {"buckets": buckets, "steps": steps, "loco_calls": sent, "logging": logging,
+                "planted": planted}
     finally:
         loco_megatron.uninstall()
         torch.distributed.barrier()

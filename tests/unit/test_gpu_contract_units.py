@@ -37,6 +37,66 @@ def test_counter_sees_what_would_sync_and_skips_host_tensors():
     assert all(e.owner == "other" for e in c.events)
 
 
+def test_counter_sees_every_device_to_host_sync():
+    """Each source of a device-to-host sync the counter knows (host_sync's module doc), one
+    call each, in order; a non-blocking copy into a host tensor (the NaN/Inf monitor's) and
+    host-only work are not syncs."""
+    x = torch.randn(8)
+    n = torch.tensor(3).add(0)  # computed on the device: a device scalar
+    with HostSyncCounter() as c:
+        host = torch.zeros(8, device="cpu")  # asked for the host: a host tensor
+        x.to("cpu")
+        host.copy_(x)
+        host.copy_(x, non_blocking=True)  # into pinned memory behind an event: no sync
+        torch.equal(x, x)
+        torch.allclose(x, x)
+        torch.is_nonzero(x[:1].sum())
+        repr(x)
+        f"{x.sum():.3f}"
+        torch.where(x > 0)
+        torch.where(x > 0, x, 0.0)  # three arguments: a device op
+        x.long().abs().bincount()
+        torch.unique_consecutive(x)
+        x[:n]
+        x[1:3]  # Python bounds: no sync
+        host.sum().item()  # a host tensor
+    ops = [op for cat, op in ((e.category, e.op) for e in c.events) if cat == "sync"]
+    assert ops == ["to(cpu)", "copy_ to the host", "equal", "allclose", "is_nonzero", "format",
+                   "format", "where(condition)", "bincount", "unique_consecutive",
+                   "slicing by a tensor"], ops
+
+
+def test_counter_enters_megatron_backward_hooks(monkeypatch):
+    """torch runs autograd hooks without the function-mode stack: a sync in a megatron-core
+    method called from a gradient hook (as ``register_grad_ready`` is with overlap on) is
+    seen because the counter re-enters itself in the methods of ``HOOK_ENTRIES``; a sync in
+    any other hook is not (that is why the list exists), and the wrap is gone after exit."""
+    import sys
+    import types
+
+    from loco_megatron.emulation import host_sync
+
+    class BucketGroup:
+        def register_grad_ready(self, param):
+            param.grad.sum().item()  # (returns None, as a gradient hook must)
+
+    module = types.ModuleType("fake_param_and_grad_buffer")
+    module.BucketGroup = BucketGroup
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(host_sync, "HOOK_ENTRIES",
+                        ((module.__name__, "BucketGroup", ("register_grad_ready",)),))
+    plain = BucketGroup.register_grad_ready
+    group, p = BucketGroup(), torch.nn.Parameter(torch.randn(4))
+    # looked up at call time, as megatron's hook does (self.param_to_bucket_group[param]...)
+    p.register_post_accumulate_grad_hook(lambda q: group.register_grad_ready(q))
+    p.register_post_accumulate_grad_hook(lambda q: [q.grad.sum().tolist()] and None)  # not one
+    with HostSyncCounter() as c:
+        (p * 2).sum().backward()
+        group.register_grad_ready(p)  # a direct call: counted once, not twice
+    assert [e.op for e in c.events] == ["item", "item"], c.summary()
+    assert BucketGroup.register_grad_ready is plain
+
+
 def test_loco_timers_never_synchronize():
     """``--timing-log-level 2``: megatron's Timer synchronizes at every start and stop; LoCo's
     timers (three per bucket) record events instead, registered in megatron's ``Timers`` where
