@@ -132,6 +132,32 @@ def shard_only_layout(numel: int, world: int, block_size: int) -> BucketLayout:
     return BucketLayout.build(numel, world, block_size)
 
 
+def check_launch(tensor: torch.Tensor, what: str) -> None:
+    """The runtime guards of a LoCo collective, before it launches anything (host queries only,
+    no sync): ``tensor`` (the bucket) must not be reduced while a CUDA graph is captured (a graph
+    would replay LoCo's host-side decisions, its step counters and reset schedule, as captured;
+    ``torch.cuda.is_current_stream_capturing``) and must live on the current device (the kernels
+    and NCCL launch on the current device's stream). CPU tensors, the CPU emulation's included,
+    pass.
+
+    Raises:
+        RuntimeError: one line naming ``what`` and the way out.
+    """
+    if tensor.device.type != "cuda":
+        return
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"LoCo: {what} was called while a CUDA graph is being captured; a graph would replay "
+            f"LoCo's host-side decisions as captured. Keep the gradient reduction out of the "
+            f"graph (per-layer --cuda-graph-modules, not full_iteration) or use --loco-bits 16.")
+    current = torch.cuda.current_device()
+    if tensor.device.index is not None and tensor.device.index != current:
+        raise RuntimeError(
+            f"LoCo: {what} got a tensor on {tensor.device} while the current device is "
+            f"cuda:{current}; call torch.cuda.set_device(LOCAL_RANK) before building the model "
+            f"(megatron's initialize_megatron does).")
+
+
 def checked_layout(output: torch.Tensor, input: torch.Tensor, op, group, block_size: int,
                    layout: Optional[BucketLayout], nodes: str = "") -> BucketLayout:
     """The argument checks of the LoCo reduce-scatters (flat and hierarchical): returns
@@ -185,9 +211,12 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
 
     Raises:
         ValueError: an op other than SUM/AVG, or sizes that do not split evenly.
+        RuntimeError: called during CUDA graph capture, or ``input`` not on the current device
+            (:func:`check_launch`).
     """
     if compensator is None:
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    check_launch(input, "the LoCo reduce-scatter")
     cfg = compensator.config
     layout = checked_layout(output, input, op, group, cfg.block_size, layout)
     world, shard = layout.world, layout.shard

@@ -37,8 +37,9 @@ import torch.distributed as dist
 
 from . import kernels
 from .algorithm import sum_in_rank_order
-from .collectives import (TIMER_NAMES, WireStats, checked_layout, compensated_reduce_scatter,
-                          launch, step_timer)
+from .caches import on_clear
+from .collectives import (TIMER_NAMES, WireStats, check_launch, checked_layout,
+                          compensated_reduce_scatter, launch, step_timer)
 from .compensator import Compensator
 from .layout import BucketLayout, ChunkView
 from .node_topology import NodeTopology, group_topology, local_world_size
@@ -75,8 +76,10 @@ def _splits(peers: Sequence[int], world: int, size: int):
 
 
 #: ``(order, device) -> int64 index tensor`` of :func:`_reorder`: built once per layout, not in
-#: every backward hook (a host-to-device copy on GPUs)
+#: every backward hook (a host-to-device copy on GPUs); emptied with the model's caches
+#: (:func:`loco_megatron.caches.clear`, called by ``uninstall()``)
 _ORDER_INDEX: Dict[Tuple[Tuple[int, ...], str], torch.Tensor] = {}
+on_clear(_ORDER_INDEX.clear)
 
 
 def _reorder(x: torch.Tensor, rows: int, order: Tuple[int, ...]) -> torch.Tensor:
@@ -187,9 +190,11 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         ValueError: an op other than SUM/AVG, sizes that do not split, a layout that does not
             fit.
         LoCoConfigError: see :func:`group_topology`.
+        RuntimeError: see :func:`~loco_megatron.collectives.check_launch`.
     """
     if compensator is None:
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    check_launch(input, "the hierarchical LoCo reduce-scatter")
     cfg = compensator.config
     topo = topology if topology is not None else group_topology(group)
     M, L = topo.num_nodes, topo.per_node

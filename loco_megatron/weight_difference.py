@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from . import kernels
 from .caches import on_clear, per_model
-from .collectives import launch, step_timer
+from .collectives import check_launch, launch, step_timer
 from .layout import BucketLayout
 
 #: Megatron timers (log level 2) of the parameter path: encode + own apply; the all-gathers
@@ -251,6 +251,7 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
     Returns:
         the work handle with ``async_op``, else None after applying.
     """
+    check_launch(params, "the LoCo parameter all-gather")
     world = dist.get_world_size(group)
     recv_p = [torch.empty_like(payload) for _ in range(world)]
     recv_s = [torch.empty_like(scales) for _ in range(world)]

@@ -20,7 +20,9 @@ spills; the exit status is 1 when any variant breaks a rule:
   loaded value is an error (``r * chunk`` of two ``i32`` arguments wraps before it is widened).
   Arithmetic on constants and ``tl.arange`` alone is bounded by constexprs and may stay 32-bit;
   an ``i32`` argument used as an offset without arithmetic is widened exactly;
-* **IEEE arithmetic**: no ``fma.`` (contraction) and no approximate division in the PTX.
+* **IEEE arithmetic**: no ``fma.`` (contraction) and no approximate division in the PTX;
+* **no unconditional atomics**: every ``tt.atomic_rmw`` has a mask other than the constant
+  ``true`` (the NaN/Inf counter is added only by a program that met a non-finite block).
 
 The full run (default) takes minutes (``--jobs`` processes compile in parallel); ``--subset ci``
 is the representative subset CI runs (:data:`.variants.CI_BLOCKS`, :data:`.variants.CI_KINDS`);
@@ -50,6 +52,14 @@ _VAL = r"%[\w.$-]+(?:#\d+)?"
 def _strip_loc(line: str) -> str:
     i = line.find(" loc(")
     return line if i < 0 else line[:i]
+
+
+def unconditional_atomics(ttir: str) -> List[str]:
+    """The ``tt.atomic_rmw`` lines of ``ttir`` (trimmed) whose mask is the constant ``true``:
+    an atomic every program issues. The compress kernel's NaN/Inf counter is masked by "a
+    block of this program was non-finite", so a clean step issues no atomic at all."""
+    return [_strip_loc(line).strip() for line in ttir.splitlines()
+            if "tt.atomic_rmw" in line and re.search(r", %true\b[^,]*:", _strip_loc(line))]
 
 
 def narrow_address_arithmetic(ttir: str) -> List[str]:
@@ -187,7 +197,7 @@ def compile_variant(fn, signature, constexprs, capability: int, num_warps: int =
     """Compile the ``@triton.jit`` function ``fn`` for ``sm_<capability>`` and check it.
 
     Returns ``{"registers", "spill_stores", "spill_loads", "stack", "narrow": [TTIR lines],
-    "ieee": [problems], "errors": [rule violations]}``.
+    "ieee": [problems], "atomics": [unconditional atomics], "errors": [rule violations]}``.
 
     Raises:
         Exception: whatever Triton or ptxas raise on a compile failure.
@@ -201,11 +211,13 @@ def compile_variant(fn, signature, constexprs, capability: int, num_warps: int =
                        options={"enable_fp_fusion": False, "num_warps": num_warps})
     out = parse_ptxas(_ptxas(k.asm["ptx"], capability))
     out["narrow"] = narrow_address_arithmetic(k.asm["ttir"])
+    out["atomics"] = unconditional_atomics(k.asm["ttir"])
     ptx = k.asm["ptx"]
     out["ieee"] = [w for w in ("fma.", "div.full", "div.approx") if w in ptx]
     out["errors"] = (["spills"] if out["spill_stores"] or out["spill_loads"] else []) + \
         (["32-bit address arithmetic"] if out["narrow"] else []) + \
-        (["non-IEEE " + " ".join(out["ieee"])] if out["ieee"] else [])
+        (["non-IEEE " + " ".join(out["ieee"])] if out["ieee"] else []) + \
+        (["unconditional atomic"] if out["atomics"] else [])
     return out
 
 

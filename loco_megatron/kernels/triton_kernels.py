@@ -134,7 +134,8 @@ if triton is not None:
             tl.store(escales_ptr + rows, es2, mask=rmask)
             if ERRSQ:  # ||e||^2 of the stored error, per block: scale^2 * sum(codes^2)
                 tl.store(bufsq_ptr + rows, es2 * es2 * csq, mask=rmask)
-        tl.atomic_add(flag_ptr, tl.sum((bad & rmask).to(tl.int32), axis=0))
+        nbad = tl.sum((bad & rmask).to(tl.int32), axis=0)  # the counter's atomic is predicated
+        tl.atomic_add(flag_ptr, nbad, mask=nbad > 0)  # off unless a block was non-finite
 
     @triton.jit
     def _decompress_kernel(payload_ptr, scales_ptr, out_ptr, src_ptr, off_ptr, len_ptr, nbs,

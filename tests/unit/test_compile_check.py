@@ -12,7 +12,8 @@ import textwrap
 import pytest
 
 from loco_megatron.config import MAX_BLOCK_SIZE
-from loco_megatron.kernels.compile_check import narrow_address_arithmetic, parse_ptxas
+from loco_megatron.kernels.compile_check import (narrow_address_arithmetic, parse_ptxas,
+                                                  unconditional_atomics)
 from loco_megatron.kernels.launch import MAX_TILE, TILE_PAIRS, launch_config
 from loco_megatron.kernels.variants import CI_BLOCKS, FULL_BLOCKS
 
@@ -148,3 +149,13 @@ def test_ci_subset_compiles_for_sm80_and_sm90():
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " 0 failed" in summary and "0 B spill stores" in summary, summary
+
+
+def test_unconditional_atomics_are_found():
+    """The compress kernel's NaN/Inf counter: an atomic masked by the non-finite count passes;
+    the same atomic with the constant mask (every program, every step) is reported."""
+    masked = ("    %26 = tt.atomic_rmw add, acq_rel, gpu, %flag_ptr, %nbad_150, %25 : "
+              "(!tt.ptr<i32>, i32, i1) -> i32 loc(#loc137)")
+    always = masked.replace("%25 :", "%true :")
+    assert unconditional_atomics(masked) == []
+    assert unconditional_atomics(always) == [always[:always.find(" loc(")].strip()]

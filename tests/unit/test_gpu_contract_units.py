@@ -261,3 +261,38 @@ def test_megatron_coalesces_without_a_device():
     for call in calls:
         assert "device" not in {k.arg for k in call.keywords} and len(call.args) < 2, \
             f"param_and_grad_buffer.py:{call.lineno} passes a device to _coalescing_manager"
+
+
+def test_collectives_refuse_graph_capture_and_a_foreign_device(monkeypatch):
+    """The runtime guards of every LoCo collective (``collectives.check_launch``, called by the
+    flat and hierarchical reduce-scatters and the parameter all-gather), one line each: a CUDA
+    graph being captured, a gradient on another device than the current one; CPU tensors (and
+    the emulation's) pass."""
+    from loco_megatron import collectives
+
+    on = SimpleNamespace(device=torch.device("cuda", 1))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    collectives.check_launch(on, "the LoCo reduce-scatter")
+    collectives.check_launch(torch.zeros(2), "the LoCo reduce-scatter")
+    capturing[0] = True
+    with pytest.raises(RuntimeError, match=r"^LoCo: the LoCo reduce-scatter was called while a "
+                                           r"CUDA graph is being captured.*--loco-bits 16\.$"):
+        collectives.check_launch(on, "the LoCo reduce-scatter")
+    capturing[0] = False
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"got a tensor on cuda:1 while the current device "
+                                           r"is cuda:0; call torch.cuda.set_device"):
+        collectives.check_launch(on, "the LoCo parameter all-gather")
+
+
+def test_hierarchical_reorder_index_cleared_with_the_model():
+    """The hierarchical stage-1 reorder indices (one per layout and device) go with the
+    model's caches, as ``uninstall()`` clears them."""
+    from loco_megatron import hierarchical
+
+    out = hierarchical._reorder(torch.arange(6.0), 3, (2, 0, 1))
+    assert out.tolist() == [4.0, 5.0, 0.0, 1.0, 2.0, 3.0] and hierarchical._ORDER_INDEX
+    caches.clear()
+    assert hierarchical._ORDER_INDEX == {}
