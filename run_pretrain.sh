@@ -79,6 +79,9 @@ fi
 
 # Megatron asserts this for tensor parallelism on pre-Blackwell GPUs (and under the emulation).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# Triton compiles LoCo's kernels into a node-local cache, one per job (Slurm job id, else this
+# launch), unless TRITON_CACHE_DIR is set: concurrent compiles into a shared ~/.triton on NFS fail.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/loco-triton-${SLURM_JOB_ID:-$$}}
 OUT_DIR=${OUT_DIR:-runs/$(date +%Y%m%d-%H%M%S)}
 model_args=(--num-layers 4 --hidden-size 256 --num-attention-heads 4 --seq-length 256
             --max-position-embeddings 256 --micro-batch-size 4 --global-batch-size $((4 * NPROC * NNODES))
@@ -94,6 +97,7 @@ launch=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RAN
         -m loco_megatron.training.pretrain_gpt "${hw_args[@]}" "${model_args[@]}" "${data_args[@]}" "$@")
 if [ -n "${LOCO_DRY_RUN:-}" ]; then
   printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
+  printf 'node-env %s: TRITON_CACHE_DIR=%q\n' "$NODE_RANK" "$TRITON_CACHE_DIR"
   exit 0
 fi
 mkdir -p "$OUT_DIR"

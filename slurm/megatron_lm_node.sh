@@ -27,6 +27,9 @@ ngpu=${GPUS_PER_NODE:-$("$LOCO_PYTHON" -c 'import torch; print(torch.cuda.device
 [ "$ngpu" -gt 0 ] && NPROC=${NPROC:-$ngpu} || NPROC=${NPROC:-2}
 # Megatron asserts this for tensor parallelism on pre-Blackwell GPUs (and under the emulation).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+# Triton compiles LoCo's kernels into a node-local cache, one per job (Slurm job id, else this
+# launch), unless TRITON_CACHE_DIR is set: concurrent compiles into a shared ~/.triton on NFS fail.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${TMPDIR:-/tmp}/loco-triton-${SLURM_JOB_ID:-$$}}
 # The job runs inside the checkout (below): a relative --config FILE is meant from here.
 args=() config_next=0
 for a in "$@"; do
@@ -42,6 +45,7 @@ launch=("$LOCO_PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "
         -m loco_megatron.training.run_megatron_lm --megatron-lm "$checkout" ${args[@]+"${args[@]}"})
 if [ -n "${LOCO_DRY_RUN:-}" ]; then
   printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
+  printf 'node-env %s: TRITON_CACHE_DIR=%q\n' "$NODE_RANK" "$TRITON_CACHE_DIR"
   exit 0
 fi
 cd "$checkout"  # as when running its pretrain_gpt.py by hand (relative data paths)

@@ -50,10 +50,12 @@ def pretrain(config, forward_step_func, callbacks=None, loco: LoCoLike = None,
     """
     from ..cli.console import install_excepthook
     from ..emulation import activate_if_no_gpu
+    from ..kernels.cache_dir import use_node_local_cache
     from . import checks, workarounds
     from .callback import LoCoCallback
 
     install_excepthook()
+    use_node_local_cache()  # TRITON_CACHE_DIR unless set (kernels/cache_dir.py)
     loco_config = as_config(loco)
     if loco_config is not None:  # refusals before anything is changed in this process
         checks.check(config, loco_config, emulated=not torch.cuda.is_available())

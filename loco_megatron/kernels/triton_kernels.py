@@ -25,7 +25,12 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
     triton = None
 
 from ..quantization import divisor, max_scale
+from . import launch_keys
 from .launch import LaunchConfig, launch_config
+
+#: runtime arguments of the compress kernel Triton must not specialize (an int equal to 1
+#: would become a constexpr: a reset step would compile a variant of its own)
+COMPRESS_NOT_SPECIALIZED = ("ntiles", "reset")
 
 
 def triton_interpret() -> bool:
@@ -48,18 +53,19 @@ def unavailable_reason(tensor: torch.Tensor) -> Optional[str]:
 if triton is not None:
     from .triton_tiles import _absmax, _bf16_bits, _emit, _quantize, _store_error_int8, _tile
 
-    @triton.jit(do_not_specialize=["ntiles"])
+    @triton.jit(do_not_specialize=COMPRESS_NOT_SPECIALIZED)
     def _compress_kernel(g_ptr, src_ptr, off_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr,
                          evalues_ptr, payload_ptr, scales_ptr, flag_ptr, errsq_ptr, bufsq_ptr,
-                         beta, omb, smax, ntiles, B: tl.constexpr, T: tl.constexpr,
+                         beta, omb, smax, ntiles, reset, B: tl.constexpr, T: tl.constexpr,
                          ONE_TILE: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                         DIV: tl.constexpr,
-                         INT8_ERR: tl.constexpr, RESET: tl.constexpr, USE_BETA: tl.constexpr,
+                         DIV: tl.constexpr, INT8_ERR: tl.constexpr, USE_BETA: tl.constexpr,
                          ERRSQ: tl.constexpr):
         """``ROWS`` blocks; each in ``ntiles`` tiles of ``T`` element pairs: one tile
         (``ONE_TILE``) is loaded once, more are loaded per pass (absmax; codes and error; int8
-        error codes). ``ntiles`` is a runtime loop count (never specialized): every multi-tile
-        block size compiles to the same code."""
+        error codes). ``ntiles`` is a runtime loop count and ``reset`` (1 on a reset step: the
+        stored error reads as zero) a runtime flag, neither specialized: every multi-tile block
+        size compiles to the same code, and a reset step launches the variant of every other
+        step (no compile mid-run)."""
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1  # codes in [-QMAX - 1, QMAX] on either grid
         # every address is 64-bit: the block index widens before it is scaled or offset
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -67,22 +73,23 @@ if triton is not None:
         gsrc = tl.load(src_ptr + rows, mask=rmask, other=0).to(tl.int64)[:, None]
         length = tl.load(len_ptr + rows, mask=rmask, other=0)
         base = tl.load(off_ptr + rows, mask=rmask, other=0).to(tl.int64)[:, None]  # even
-        if INT8_ERR and not RESET:
-            es = tl.load(escales_ptr + rows, mask=rmask, other=0.0)
+        live = reset == 0  # the stored error is read (zero on a reset step, without a load)
+        if INT8_ERR:
+            es = tl.load(escales_ptr + rows, mask=rmask & live, other=0.0)
         else:
             es = tl.zeros([ROWS], dtype=tl.float32)
         if ONE_TILE:  # pass 1: the block's absmax (and NaN)
             he, ho, ee, eo, ce0, co0, bt, j, me, mo = _tile(
-                g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, 0, B, T,
-                INT8_ERR, RESET)
+                g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, 0, live, B,
+                T, INT8_ERR)
             amax, nan = _absmax(he, ho)
         else:
             amax = tl.zeros([ROWS], dtype=tl.float32)
             nan = tl.zeros([ROWS], dtype=tl.int32)
             for t in range(ntiles):
                 the, tho, tee, teo, tce0, tco0, tbt, tj, tme, tmo = _tile(
-                    g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, B, T,
-                    INT8_ERR, RESET)
+                    g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, live, B,
+                    T, INT8_ERR)
                 tmax, tnan = _absmax(the, tho)
                 amax = tl.maximum(amax, tmax)
                 nan = tl.maximum(nan, tnan)
@@ -102,8 +109,8 @@ if triton is not None:
             emax = tl.zeros([ROWS], dtype=tl.float32)
             for t in range(ntiles):
                 the, tho, tee, teo, tce0, tco0, tbt, tj, tme, tmo = _tile(
-                    g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, B, T,
-                    INT8_ERR, RESET)
+                    g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, live, B,
+                    T, INT8_ERR)
                 tsq, tmax, tne, tno = _emit(payload_ptr, evalues_ptr, tbt, the, tho, tee, teo,
                                             tj, tme, tmo, scale, safe, keep, beta, omb, QMAX,
                                             USE_BETA, BITS, INT8_ERR)
@@ -116,21 +123,18 @@ if triton is not None:
             esafe = tl.where(es2 > 0, es2, 1.0)[:, None]
             if ONE_TILE:
                 csq = _store_error_int8(ecodes_ptr, bt, j, me, mo, ne, no, ce0, co0, esafe,
-                                        keep, RESET)
+                                        keep)
             else:
                 csq = tl.zeros([ROWS], dtype=tl.float32)
                 for t in range(ntiles):
                     the, tho, tee, teo, tce0, tco0, tbt, tj, tme, tmo = _tile(
-                        g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, B,
-                        T, INT8_ERR, RESET)
+                        g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, live,
+                        B, T, INT8_ERR)
                     tqe, tqo, terre, terro, tne, tno = _quantize(
                         the, tho, tee, teo, scale, safe, beta, omb, QMAX, USE_BETA)
                     csq += _store_error_int8(ecodes_ptr, tbt, tj, tme, tmo, tne, tno, tce0,
-                                             tco0, esafe, keep, RESET)
-            if RESET:
-                es2 = tl.where(bad, 0.0, es2)
-            else:
-                es2 = tl.where(bad, es, es2)
+                                             tco0, esafe, keep)
+            es2 = tl.where(bad, es, es2)  # a kept block's old scale (zero on a reset step)
             tl.store(escales_ptr + rows, es2, mask=rmask)
             if ERRSQ:  # ||e||^2 of the stored error, per block: scale^2 * sum(codes^2)
                 tl.store(bufsq_ptr + rows, es2 * es2 * csq, mask=rmask)
@@ -218,15 +222,16 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
         raise ValueError(f"the Triton kernels keep fp32 error values, got {err.values.dtype}")
     dummy = scales
     cfg = _config(table.block_size, launch)
-    _compress_kernel[(triton.cdiv(table.nblocks, cfg.rows),)](
-        g, table.src, table.off, table.length, table.nblocks,
-        err.codes if int8 else dummy, err.scales if int8 else dummy,
-        dummy if int8 else err.values,
-        payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq, bufsq,
-        float(beta), 1.0 - float(beta), max_scale(bits, grid), cfg.ntiles,
-        B=table.block_size, T=cfg.tile, ONE_TILE=cfg.ntiles == 1, ROWS=cfg.rows, BITS=bits,
-        DIV=divisor(bits, grid), INT8_ERR=int8, RESET=bool(reset), USE_BETA=beta != 0,
-        ERRSQ=bool(want_err_sq), num_warps=cfg.num_warps, enable_fp_fusion=False)
+    args = (g, table.src, table.off, table.length, table.nblocks,
+            err.codes if int8 else dummy, err.scales if int8 else dummy,
+            dummy if int8 else err.values,
+            payload.view(torch.int8) if bits == 8 else payload, scales, flag, errsq, bufsq,
+            float(beta), 1.0 - float(beta), max_scale(bits, grid), cfg.ntiles, int(bool(reset)))
+    kwargs = dict(B=table.block_size, T=cfg.tile, ONE_TILE=cfg.ntiles == 1, ROWS=cfg.rows,
+                  BITS=bits, DIV=divisor(bits, grid), INT8_ERR=int8, USE_BETA=beta != 0,
+                  ERRSQ=bool(want_err_sq), num_warps=cfg.num_warps, enable_fp_fusion=False)
+    launch_keys.note(_compress_kernel, COMPRESS_NOT_SPECIALIZED, args, kwargs)
+    _compress_kernel[(triton.cdiv(table.nblocks, cfg.rows),)](*args, **kwargs)
     nonfinite = flag[0]
     err_sq = buf_sq = None
     if want_err_sq:
@@ -244,12 +249,14 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out,
     target = out if out.is_contiguous() else torch.empty_like(out)
     bf16 = out.dtype == torch.bfloat16
     cfg = _config(table.block_size, launch)
-    _decompress_kernel[(triton.cdiv(nbs, cfg.rows), cfg.ntiles)](
-        payload.view(torch.int8) if bits == 8 else payload, scales,
-        target.view(torch.int16) if bf16 else target, table.src, table.off,
-        table.length, nbs, rank * nbs, rank * table.shard, table.padded_shard,
-        rank * table.padded_shard, table.world,
-        B=table.block_size, T=cfg.tile, ROWS=cfg.rows, BITS=bits, AVERAGE=bool(average),
-        OUT_BF16=bf16, num_warps=cfg.num_warps, enable_fp_fusion=False)
+    args = (payload.view(torch.int8) if bits == 8 else payload, scales,
+            target.view(torch.int16) if bf16 else target, table.src, table.off,
+            table.length, nbs, rank * nbs, rank * table.shard, table.padded_shard,
+            rank * table.padded_shard, table.world)
+    kwargs = dict(B=table.block_size, T=cfg.tile, ROWS=cfg.rows, BITS=bits,
+                  AVERAGE=bool(average), OUT_BF16=bf16, num_warps=cfg.num_warps,
+                  enable_fp_fusion=False)
+    launch_keys.note(_decompress_kernel, (), args, kwargs)
+    _decompress_kernel[(triton.cdiv(nbs, cfg.rows), cfg.ntiles)](*args, **kwargs)
     if target is not out:
         out.copy_(target)

@@ -30,13 +30,15 @@ if triton is not None:
         return tl.where(x != x, 0x7FC0, r).to(tl.int16)
 
     @triton.jit
-    def _tile(g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t,
-              B: tl.constexpr, T: tl.constexpr, INT8_ERR: tl.constexpr, RESET: tl.constexpr):
+    def _tile(g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, live,
+              B: tl.constexpr, T: tl.constexpr, INT8_ERR: tl.constexpr):
         """Tile ``t`` of each row's block: h = g + e of the even and odd elements, the old
         error (values; int8 codes), the tile's wire offsets ``bt`` (int64 ``[ROWS, 1]``: the
         block's ``base`` plus the tile's first element), the pairs ``j`` in the tile and the
         masks. ``gsrc``/``base``: int64 ``[ROWS, 1]``; ``t`` may be a runtime loop counter: it
-        widens to int64 before it offsets an address (and is 32-bit in the masks only)."""
+        widens to int64 before it offsets an address (and is 32-bit in the masks only).
+        ``live``: the stored error is read (a runtime predicate, false on a reset step: the
+        old error is then zero without a load, and no variant is compiled for resets)."""
         tb = tl.cast(t, tl.int64) * (2 * T)  # the tile's first element in the block
         bt = base + tb
         gsrc = gsrc + tb
@@ -49,21 +51,16 @@ if triton is not None:
         mo = m & (od[None, :] < lim)
         ge = tl.load(g_ptr + (gsrc + ev[None, :]), mask=me, other=0.0).to(tl.float32)
         go = tl.load(g_ptr + (gsrc + od[None, :]), mask=mo, other=0.0).to(tl.float32)
-        if RESET:
-            ce0 = tl.zeros_like(ge).to(tl.int8)
-            co0 = ce0
-            ee = tl.zeros_like(ge)
-            eo = ee
-        elif INT8_ERR:
-            ce0 = tl.load(ecodes_ptr + (bt + ev[None, :]), mask=me, other=0)
-            co0 = tl.load(ecodes_ptr + (bt + od[None, :]), mask=mo, other=0)
+        if INT8_ERR:
+            ce0 = tl.load(ecodes_ptr + (bt + ev[None, :]), mask=me & live, other=0)
+            co0 = tl.load(ecodes_ptr + (bt + od[None, :]), mask=mo & live, other=0)
             ee = ce0.to(tl.float32) * es[:, None]
             eo = co0.to(tl.float32) * es[:, None]
         else:
             ce0 = tl.zeros_like(ge).to(tl.int8)
             co0 = ce0
-            ee = tl.load(evalues_ptr + (bt + ev[None, :]), mask=me, other=0.0)
-            eo = tl.load(evalues_ptr + (bt + od[None, :]), mask=mo, other=0.0)
+            ee = tl.load(evalues_ptr + (bt + ev[None, :]), mask=me & live, other=0.0)
+            eo = tl.load(evalues_ptr + (bt + od[None, :]), mask=mo & live, other=0.0)
         return ge + ee, go + eo, ee, eo, ce0, co0, bt, j, me, mo
 
     @triton.jit
@@ -114,19 +111,14 @@ if triton is not None:
         return sq, emax, ne, no
 
     @triton.jit
-    def _store_error_int8(ecodes_ptr, base, j, me, mo, ne, no, ce0, co0, esafe, keep,
-                          RESET: tl.constexpr):
-        """int8 error storage: a tile's error codes (the kept ones for a non-finite block);
-        returns their sum of squares per block."""
+    def _store_error_int8(ecodes_ptr, base, j, me, mo, ne, no, ce0, co0, esafe, keep):
+        """int8 error storage: a tile's error codes (the kept ones for a non-finite block:
+        ``ce0``/``co0``, zero on a reset step); returns their sum of squares per block."""
         ev = 2 * j
         ce = _codes(ne, esafe, -128.0, 127.0)
         co = _codes(no, esafe, -128.0, 127.0)
-        if RESET:
-            ce = tl.where(keep, 0.0, ce)
-            co = tl.where(keep, 0.0, co)
-        else:
-            ce = tl.where(keep, ce0.to(tl.float32), ce)
-            co = tl.where(keep, co0.to(tl.float32), co)
+        ce = tl.where(keep, ce0.to(tl.float32), ce)
+        co = tl.where(keep, co0.to(tl.float32), co)
         tl.store(ecodes_ptr + (base + ev[None, :]), ce.to(tl.int8), mask=me)
         tl.store(ecodes_ptr + (base + (ev + 1)[None, :]), co.to(tl.int8), mask=mo)
         return tl.sum(ce * ce, axis=1) + tl.sum(co * co, axis=1)

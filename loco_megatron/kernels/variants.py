@@ -51,7 +51,7 @@ class Variant:
     num_warps: int = 4
 
 
-def _compress(block, bits, dtype, grid, storage, reset, beta, errsq, nblocks="i32",
+def _compress(block, bits, dtype, grid, storage, beta, errsq, nblocks="i32",
               tag="grad"):
     cfg = launch_config(block)
     int8 = storage == "int8"
@@ -61,15 +61,15 @@ def _compress(block, bits, dtype, grid, storage, reset, beta, errsq, nblocks="i3
            "evalues_ptr": "*fp32", "payload_ptr": "*u8" if bits == 4 else "*i8",
            "scales_ptr": "*fp32", "flag_ptr": "*i32",
            "errsq_ptr": "*fp32" if errsq else "*i32", "bufsq_ptr": "*fp32" if errsq else "*i32",
-           "beta": "fp32", "omb": "fp32", "smax": "fp32", "ntiles": "i32"}
+           "beta": "fp32", "omb": "fp32", "smax": "fp32", "ntiles": "i32", "reset": "i32"}
     consts = {"B": block, "T": cfg.tile, "ONE_TILE": cfg.ntiles == 1, "ROWS": cfg.rows,
               "BITS": bits,
-              "DIV": divisor(bits, grid), "INT8_ERR": int8, "RESET": reset,
+              "DIV": divisor(bits, grid), "INT8_ERR": int8,
               "USE_BETA": beta, "ERRSQ": errsq}
     if nblocks == "constexpr":
         consts["nblocks"] = 1
     name = (f"compress {tag} b{bits} {dtype} {grid} err={storage}"
-            f"{' reset' if reset else ''}{'' if beta else ' beta=0'}"
+            f"{'' if beta else ' beta=0'}"
             f"{' errsq' if errsq else ''} nblocks={nblocks if nblocks != 'constexpr' else 1}")
     return _variant("compress", name, block, sig, consts, cfg.num_warps)
 
@@ -97,20 +97,21 @@ def _variant(kernel, name, block, sig, consts, num_warps):
 
 def block_variants(block: int) -> List[Variant]:
     """Every variant compiled for ``block``: the gradient path (4/8 bits, fp32/bf16/fp16
-    gradients, both grids, int8/fp32 error storage, plain/reset steps, telemetry on/off; a
+    gradients, both grids, int8/fp32 error storage, telemetry on/off (a reset step is
+    a runtime flag: the same code); a
     one-block bucket, ``nblocks`` a constexpr), its decompression (fp32/bf16/fp16 outputs,
     SUM/AVG, sizes ``i32`` and ``i64``, ``world == 1`` a constexpr with AVG), and the weight
     difference's (fp32 error storage, reset, beta 0; decompressed with ``world == 1``)."""
     return [
-        _compress(block, 4, "bf16", "symmetric", "int8", False, True, True),
-        _compress(block, 8, "fp32", "full-range", "int8", False, True, True),
-        _compress(block, 4, "fp16", "full-range", "fp32", False, True, True),
-        _compress(block, 8, "bf16", "symmetric", "fp32", True, True, False),
-        _compress(block, 4, "fp32", "symmetric", "int8", True, True, True, nblocks="i64"),
-        _compress(block, 4, "bf16", "symmetric", "int8", False, False, False,
+        _compress(block, 4, "bf16", "symmetric", "int8", True, True),
+        _compress(block, 8, "fp32", "full-range", "int8", True, True),
+        _compress(block, 4, "fp16", "full-range", "fp32", True, True),
+        _compress(block, 8, "bf16", "symmetric", "fp32", True, False),
+        _compress(block, 4, "fp32", "symmetric", "int8", True, True, nblocks="i64"),
+        _compress(block, 4, "bf16", "symmetric", "int8", False, False,
                   nblocks="constexpr"),
-        _compress(block, 4, "fp32", "symmetric", "fp32", True, False, False, tag="weightdiff"),
-        _compress(block, 8, "fp32", "symmetric", "fp32", True, False, False, tag="weightdiff"),
+        _compress(block, 4, "fp32", "symmetric", "fp32", False, False, tag="weightdiff"),
+        _compress(block, 8, "fp32", "symmetric", "fp32", False, False, tag="weightdiff"),
         _decompress(block, 4, "bf16", True),
         _decompress(block, 8, "fp32", False),
         _decompress(block, 4, "fp16", True, sizes="i64", world="i64"),

@@ -2,6 +2,7 @@
 file's ``loco:`` section and ``loco.*`` overrides beside Bridge's Hydra overrides, and the
 one-line refusals before Bridge starts, naming Bridge's settings."""
 
+import os
 import re
 import textwrap
 
@@ -82,3 +83,18 @@ def test_loco_off_refuses_nothing(tmp_path):
     ran = []
     pretrain(cfg, None, loco={"bits": 16}, bridge_pretrain=lambda *a, **k: ran.append(1))
     assert ran == [1]
+
+
+def test_triton_cache_node_local_per_job(tmp_path, monkeypatch):
+    """Bridge's path points Triton's cache at ``$TMPDIR/loco-triton-<job>`` before Bridge runs
+    (a shared ``~/.triton`` on NFS breaks concurrent compiles); a user's own is kept."""
+    cfg = recipe({"save": str(tmp_path / "ckpt"), "save_interval": 2})
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    seen = []
+    run = lambda *a, **k: seen.append(os.environ.get("TRITON_CACHE_DIR"))  # noqa: E731
+    pretrain(cfg, None, loco={"bits": 16}, bridge_pretrain=run)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/scratch/mine")
+    pretrain(cfg, None, loco={"bits": 16}, bridge_pretrain=run)
+    assert seen == [str(tmp_path / "loco-triton-77"), "/scratch/mine"]

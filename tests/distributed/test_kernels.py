@@ -308,6 +308,49 @@ def test_reduce_scatter_same_result_as_reference(run_ranks):
                 torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-9)
 
 
+def _variants_worker(rank, world, telemetry):
+    """Steps of a flat and a hierarchical bucket with Triton (reset every 2nd step): the Triton
+    launch keys of each step (loco_megatron/kernels/launch_keys.py)."""
+    from loco_megatron.collectives import WireStats
+    from loco_megatron.hierarchical import hierarchical_reduce_scatter
+    from loco_megatron.kernels import launch_keys
+    from loco_megatron.metrics import StepMetrics
+
+    layouts = [BucketLayout.build(world * 300, world, 32, (77, 640)),
+               BucketLayout.build(world * 200, world, 32, (13,))]
+    comp = Compensator(LoCoConfig(bits=4, block_size=32, kernels="triton", reset_interval=2,
+                                hierarchical=True, intra_node_bits=8))
+    if telemetry:
+        comp.metrics = StepMetrics(WireStats())
+    steps = []
+    for step in range(4):
+        with launch_keys.recording() as keys:
+            for key, (layout, reduce) in enumerate(zip(layouts, (
+                    compensated_reduce_scatter, hierarchical_reduce_scatter))):
+                g = torch.randn(layout.numel, generator=torch.Generator().manual_seed(step + rank))
+                out = torch.empty(layout.shard)
+                reduce(out, g, op=dist.ReduceOp.AVG, compensator=comp, key=key, layout=layout,
+                       async_op=True).wait()
+        steps.append(sorted(set(keys)))
+    return steps, comp.stats.resets
+
+
+@pytest.mark.parametrize("telemetry", [False, True])
+@pytest.mark.skipif(not HAVE_TRITON or not CHILD, reason="interpreted Triton runs in the clean "
+                    "child process (test_triton_in_clean_process)")
+def test_triton_variants_all_launched_in_the_first_step(run_ranks, telemetry):
+    """Each kernel variant of a run is compiled in its first step and no later: through a
+    reset step (``RESET`` is a runtime flag, not a constexpr), with telemetry on or off, on the
+    flat and the hierarchical (8-bit intra-node, 4-bit inter-node) paths, 4 ranks on 2 emulated
+    nodes. Every later step's Triton launch keys are among the first step's."""
+    for steps, resets in run_ranks(_variants_worker, 4, telemetry, local_world_size=2):
+        assert resets >= 2, resets  # steps 2 of both buckets (reset_interval 2)
+        first = set(steps[0])
+        assert len(first) >= 4, first  # compress and decompress of 2 stages and the flat path
+        for i, later in enumerate(steps[1:], 1):
+            assert set(later) <= first, (i, sorted(set(later) - first))
+
+
 COMPILE_SCRIPT = r"""
 import sys
 import triton

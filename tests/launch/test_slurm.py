@@ -91,6 +91,29 @@ def test_dry_run_megatron_lm_checkout_2_nodes_x_8_gpus(tmp_path):
          f"{ROOT}/configs/tiny_cpu.yaml"] for rank in (0, 1)]
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="bash launcher")
+@pytest.mark.parametrize("megatron_lm", [False, True])
+def test_dry_run_triton_cache_node_local_per_job(tmp_path, megatron_lm):
+    """Both node launchers (run_pretrain.sh; slurm/megatron_lm_node.sh with MEGATRON_LM) give
+    Triton a node-local cache of the job, ``$TMPDIR/loco-triton-$SLURM_JOB_ID``, unless the user
+    set TRITON_CACHE_DIR."""
+    extra = dict(TMPDIR=str(tmp_path / "local"))
+    if megatron_lm:
+        (tmp_path / "Megatron-LM").mkdir()
+        extra["MEGATRON_LM"] = str(tmp_path / "Megatron-LM")
+    base = _fake_slurm_env(tmp_path, **extra)
+    base.pop("TRITON_CACHE_DIR", None)
+    for user, want in ((None, f"{tmp_path}/local/loco-triton-4242"), ("/nfs/me", "/nfs/me")):
+        env = dict(base)
+        if user:
+            env["TRITON_CACHE_DIR"] = user
+        proc = subprocess.run(["bash", str(ROOT / "slurm" / "pretrain.sbatch"), *USER_FLAGS],
+                              env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("node-env ")]
+        assert lines == [f"node-env {r}: TRITON_CACHE_DIR={want}" for r in (0, 1)], proc.stdout
+
+
 def test_refuses_to_run_outside_slurm():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     proc = subprocess.run(["bash", str(ROOT / "slurm" / "pretrain.sbatch")], env=env,
