@@ -31,32 +31,24 @@ the attribute :data:`HOST_ATTR` (LoCo's CPU-side tables, e.g. a block table's ``
 operations on those are not device syncs. Only the string ``"cpu"`` names the host in ``.to``:
 under the emulation a device tensor's ``.device`` is the CPU too.
 
-torch runs autograd hooks without the function-mode stack, so on its own a mode sees nothing of
-what megatron's backward hooks run with ``overlap_grad_reduce`` on (``register_grad_ready`` ->
-``start_grad_sync``: LoCo's compress, its all-to-all launch, the NaN/Inf poll, the hierarchical
-inter-node stage of earlier buckets). While entered, the counter wraps the megatron-core methods
-of :data:`HOOK_ENTRIES` so that a call made outside the mode (from a hook) runs under the modes
-the counter was entered on: itself, and the CPU emulation's (``is_cuda``, ``device="cuda"``),
-which torch drops in hooks as well. Every event is attributed to the innermost caller outside torch,
-this emulation package and megatron-core's ``timers.py`` (a timer's synchronize belongs to
-whoever starts the timer): ``owner`` is ``"loco"`` for ``loco_megatron`` code, else ``"other"``.
+Like every :class:`~.hook_modes.HookReentrantMode` it also runs in megatron's backward hooks
+(what they run with ``overlap_grad_reduce`` on: LoCo's compress, its all-to-all launch, the NaN/Inf
+poll, the hierarchical inter-node stage). Every event is attributed to the innermost caller
+outside torch, this emulation package and megatron-core's ``timers.py``
+(:func:`~.hook_modes.caller`): ``owner`` is ``"loco"`` for ``loco_megatron`` code, else
+``"other"``.
 """
 
 import collections
-import functools
-import importlib
-import os
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
-from torch.overrides import (TorchFunctionMode, _get_current_function_mode_stack, _pop_mode,
-                             _push_mode)
 
 from ..patching import PatchSet
 from .cpu_cuda import _CPU, _is_cuda_device
+from .hook_modes import HookReentrantMode, caller as _caller, tensors as _tensors
 
 _T = torch.Tensor
 #: method or function -> the name an event carries (``sync`` category)
@@ -74,17 +66,9 @@ _SYNC_CALLS = {
 #: factories whose ``device="cpu"`` / ``pin_memory=True`` output lives on the host
 _HOST_FACTORIES = (torch.empty, torch.zeros, torch.ones, torch.full, torch.arange,
                    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like)
-#: ``(module, class, methods)`` of megatron-core that its autograd hooks call
-#: (distributed_data_parallel.py ``_make_backward_post_hook``: ``register_grad_ready``, which
-#: calls ``start_grad_sync`` on the last gradient of a bucket group)
-HOOK_ENTRIES = (("megatron.core.distributed.param_and_grad_buffer", "_ParamAndGradBucketGroup",
-                 ("register_grad_ready", "start_grad_sync", "finish_grad_sync")),)
 _FACTORIES = {torch.tensor: "tensor", torch.as_tensor: "as_tensor"}
 _INDEXING = (_T.__getitem__, _T.__setitem__)
 _REPEAT = (torch.repeat_interleave, _T.repeat_interleave)
-_PKG = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../loco_megatron
-_SKIP = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
-_TIMERS = os.path.join("megatron", "core", "timers.py")
 #: attribute (set to True) of a tensor that lives on the host whatever the device (CPU tables)
 HOST_ATTR = "_loco_host"
 
@@ -100,17 +84,6 @@ class Event:
     where: str
 
 
-def _caller() -> tuple:
-    frame = sys._getframe(3)
-    while frame is not None:
-        path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_SKIP) and not path.endswith(_TIMERS):
-            owner = "loco" if path.startswith(_PKG + os.sep) else "other"
-            return owner, f"{os.path.relpath(path, os.path.dirname(_PKG))}:{frame.f_lineno}"
-        frame = frame.f_back
-    return "other", "?"
-
-
 def _host_device(d) -> bool:
     return isinstance(d, str) and d == "cpu" or d is _CPU
 
@@ -122,18 +95,7 @@ def _tensor_slice(index) -> bool:
                                              for b in (p.start, p.stop, p.step)) for p in parts)
 
 
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            yield from _tensors(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _tensors(o)
-
-
-class HostSyncCounter(TorchFunctionMode):
+class HostSyncCounter(HookReentrantMode):
     """Records :class:`Event` s while entered (``with HostSyncCounter() as c:``); see the
     module doc for what counts. Needs no GPU; meant for the CPU emulation, where every tensor
     stands for a device tensor unless it lives on the host.
@@ -142,12 +104,12 @@ class HostSyncCounter(TorchFunctionMode):
         events: every :class:`Event`, in order.
     """
 
+    PATCH_SET = "loco-host-sync-counter"
+
     def __init__(self):
         super().__init__()
         self.events: List[Event] = []
         self._host: Dict[int, weakref.ref] = {}
-        self._patches: Optional[PatchSet] = None
-        self._stack: list = []  # the function modes entered when this counter was
 
     # -- host tensors ------------------------------------------------------------------
     def mark_host(self, tensor: torch.Tensor) -> None:
@@ -161,7 +123,7 @@ class HostSyncCounter(TorchFunctionMode):
         return ref is not None and ref() is tensor
 
     def _record(self, category: str, op: str) -> None:
-        owner, where = _caller()
+        owner, where = _caller(3)
         self.events.append(Event(category, op, owner, where))
 
     def count(self, owner: Optional[str] = None, category: Optional[str] = None) -> int:
@@ -226,47 +188,14 @@ class HostSyncCounter(TorchFunctionMode):
             self._record("sync", op)
         return sync
 
-    def _reentering(self, method):
-        """``method``, run under the mode stack this counter was entered on (the CPU
-        emulation's mode below it included) when it is called outside it (from a hook)."""
-        @functools.wraps(method)
-        def call(*args, **kwargs):
-            if self in _get_current_function_mode_stack():
-                return method(*args, **kwargs)
-            for mode in self._stack:
-                _push_mode(mode)
-            try:
-                return method(*args, **kwargs)
-            finally:
-                for _ in self._stack:
-                    _pop_mode()
-        return call
-
-    def __enter__(self):
+    def more_patches(self, patches: PatchSet) -> None:
+        """The device syncs of the emulation's stand-ins: ``torch.cuda.synchronize``,
+        ``Stream.synchronize``, ``Event.synchronize``."""
         from . import cpu_cuda
 
-        self._patches = PatchSet("loco-host-sync-counter", strict=False)
-        for module, cls, methods in HOOK_ENTRIES:
-            try:
-                owner = getattr(importlib.import_module(module), cls)
-            except (ImportError, AttributeError):
-                continue  # no megatron-core here: nothing runs from its hooks
-            for name in methods:
-                if hasattr(owner, name):
-                    self._patches.wrap(owner, name, self._reentering)
-        self._patches.replace(torch.cuda, "synchronize", self._device_sync("cuda.synchronize"))
+        patches.replace(torch.cuda, "synchronize", self._device_sync("cuda.synchronize"))
         if cpu_cuda.is_active():
             for cls, name in ((cpu_cuda._Stream, "Stream"), (cpu_cuda._Event, "Event")):
-                self._patches.replace(cls, "synchronize",
-                                      lambda self_, _op=f"{name}.synchronize", c=self:
-                                      c._record("sync", _op))
-        super().__enter__()
-        self._stack = _get_current_function_mode_stack()  # bottom first, this counter last
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self._patches.restore()
-            self._patches = None
+                patches.replace(cls, "synchronize",
+                                lambda self_, _op=f"{name}.synchronize", c=self:
+                                c._record("sync", _op))

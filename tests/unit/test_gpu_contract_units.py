@@ -74,7 +74,7 @@ def test_counter_enters_megatron_backward_hooks(monkeypatch):
     import sys
     import types
 
-    from loco_megatron.emulation import host_sync
+    from loco_megatron.emulation import hook_modes
 
     class BucketGroup:
         def register_grad_ready(self, param):
@@ -83,7 +83,7 @@ def test_counter_enters_megatron_backward_hooks(monkeypatch):
     module = types.ModuleType("fake_param_and_grad_buffer")
     module.BucketGroup = BucketGroup
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    monkeypatch.setattr(host_sync, "HOOK_ENTRIES",
+    monkeypatch.setattr(hook_modes, "HOOK_ENTRIES",
                         ((module.__name__, "BucketGroup", ("register_grad_ready",)),))
     plain = BucketGroup.register_grad_ready
     group, p = BucketGroup(), torch.nn.Parameter(torch.randn(4))
