@@ -296,3 +296,30 @@ def test_hierarchical_reorder_index_cleared_with_the_model():
     assert out.tolist() == [4.0, 5.0, 0.0, 1.0, 2.0, 3.0] and hierarchical._ORDER_INDEX
     caches.clear()
     assert hierarchical._ORDER_INDEX == {}
+
+
+def test_allocation_tracker_follows_loco_storages():
+    """LoCo's new storages are recorded with their bytes and forgotten once nobody else holds
+    them (a view keeps its storage alive); views, in-place results and allocations outside
+    ``loco_megatron`` are not LoCo's memory. Planted: code compiled under a LoCo file name."""
+    import os
+
+    import loco_megatron.compensator as owner
+    from loco_megatron.emulation.alloc_tracker import AllocationTracker
+
+    code = ("def send(n):\n    a = torch.zeros(n, dtype=torch.uint8)\n"
+            "    return a, torch.empty(n // 4, dtype=torch.float32), a[: n // 2]\n")
+    ns = {"torch": torch}
+    exec(compile(code, owner.__file__, "exec"), ns)
+    with AllocationTracker() as t:
+        other = torch.zeros(1000)  # this test's own: not LoCo's
+        a, b, view = ns["send"](4096)
+        a.add_(1)  # in place: no new memory
+        assert t.sweep() == 4096 + 4096 and t.peak_bytes == 8192
+        del a, b
+        assert t.sweep() == 4096  # the view holds the payload's storage
+        del view
+        assert t.sweep() == 0 and t.peak_bytes == 8192
+        where = {w.split(":")[0] for w, _ in t.peak_live}
+        assert where == {os.path.join("loco_megatron", "compensator.py")}, t.peak_live
+    del other
