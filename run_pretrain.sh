@@ -96,8 +96,8 @@ launch=("$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RAN
         --master-port "${MASTER_PORT:-29517}"
         -m loco_megatron.training.pretrain_gpt "${hw_args[@]}" "${model_args[@]}" "${data_args[@]}" "$@")
 if [ -n "${LOCO_DRY_RUN:-}" ]; then
-  printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
   printf 'node-env %s: TRITON_CACHE_DIR=%q\n' "$NODE_RANK" "$TRITON_CACHE_DIR"
+  printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
   exit 0
 fi
 mkdir -p "$OUT_DIR"

@@ -44,8 +44,8 @@ launch=("$LOCO_PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "
         --master-port "${MASTER_PORT:-29517}"
         -m loco_megatron.training.run_megatron_lm --megatron-lm "$checkout" ${args[@]+"${args[@]}"})
 if [ -n "${LOCO_DRY_RUN:-}" ]; then
-  printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
   printf 'node-env %s: TRITON_CACHE_DIR=%q\n' "$NODE_RANK" "$TRITON_CACHE_DIR"
+  printf 'node %s:' "$NODE_RANK"; printf ' %q' "${launch[@]}"; printf '\n'
   exit 0
 fi
 cd "$checkout"  # as when running its pretrain_gpt.py by hand (relative data paths)
