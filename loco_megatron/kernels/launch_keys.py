@@ -22,15 +22,13 @@ _BINDERS: Dict[str, object] = {}
 
 def _binder(kernel, not_specialized: Sequence[str]):
     """Triton's binder of ``kernel`` (a ``JITFunction`` or an ``InterpretedFunction``)."""
-    name = kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__
+    fn = kernel.fn  # the Python function (JITFunction and InterpretedFunction alike)
+    name = fn.__name__
     if name not in _BINDERS:
         from triton.backends.compiler import GPUTarget
         from triton.compiler.compiler import make_backend
         from triton.runtime.jit import JITFunction, create_function_from_signature
 
-        fn = getattr(kernel, "fn", kernel)
-        while hasattr(fn, "fn"):  # a JITFunction's own fn is the Python function
-            fn = fn.fn
         jit = JITFunction(fn, do_not_specialize=list(not_specialized))
         backend = make_backend(GPUTarget("cuda", 90, 64))
         _BINDERS[name] = create_function_from_signature(jit.signature, jit.params, backend)
