@@ -181,3 +181,51 @@ def llama2_7b_formula(dp_sizes, bits: int = 4) -> List[Dict]:
         row["wire_all"] = sum(2 * f["wire"] for f in fs)
         out.append(row)
     return out
+
+
+#: LLaMA-2 (Touvron et al. 2023, arXiv 2307.09288; configs/llama2_7b.yaml): RoPE, SwiGLU,
+#: RMSNorm, no biases, untied embeddings, vocabulary 32000; 70B with 8 key/value groups
+LLAMA2 = {
+    "LLaMA-2 7B": dict(num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
+                       num_attention_heads=32),
+    "LLaMA-2 70B": dict(num_layers=80, hidden_size=8192, ffn_hidden_size=28672,
+                        num_attention_heads=64, num_query_groups=8),
+}
+#: (model, TP, PP, DP) of the figures in docs/kernels.md
+STEP_MEMORY_CASES = (("LLaMA-2 7B", 1, 1, 8), ("LLaMA-2 70B", 8, 4, 8))
+
+
+def step_memory_figures(bits: int = 4, block_size: int = 256) -> List[Dict]:
+    """LoCo's memory per GPU (:func:`loco_megatron.step_memory.step_memory`, Triton kernels,
+    int8 error storage) for :data:`STEP_MEMORY_CASES`: megatron-core's buckets of the GPU of the
+    pipeline stage with the most gradient elements (loco_megatron/planner/buckets.py, default
+    ``bucket_size`` ``max(4e7, 1e6 * DP)``). Per row: ``params`` (that GPU's gradient
+    elements), ``buckets``, ``persistent`` (``error``, ``tables``: block tables and spans),
+    ``host``, and the peak transient bytes with overlap on when no all-to-all lands before the
+    end of backward (``transient_bound``), when each lands before the next bucket is ready
+    (``transient_landed``), and without overlap (``transient_off``)."""
+    from loco_megatron.config import LoCoConfig
+    from loco_megatron.planner.buckets import default_bucket_size, gpu_buckets
+    from loco_megatron.planner.cluster import GroupSpread
+    from loco_megatron.planner.model import ModelSpec
+    from loco_megatron.step_memory import step_memory
+
+    cfg = LoCoConfig(bits=bits, block_size=block_size)
+    rows = []
+    for name, tp, pp, dp in STEP_MEMORY_CASES:
+        model = ModelSpec(seq_length=4096, position_embedding_type="rope", swiglu=True,
+                          normalization="RMSNorm", add_bias_linear=False,
+                          untie_embeddings_and_output_weights=True, **LLAMA2[name])
+        params = max((model.stage_params(tp, pp, s) for s in range(pp)),
+                     key=lambda ps: sum(p.numel for p in ps))
+        buckets = gpu_buckets(params, GroupSpread(dp, 1, dp), None, default_bucket_size(dp))
+        wire = [(b.layout(block_size), 4) for b in buckets]
+        bound = step_memory(cfg, wire, overlap=True)
+        landed = step_memory(cfg, wire, overlap=True, in_flight=1)
+        off = step_memory(cfg, wire, overlap=False)
+        rows.append(dict(model=name, tp=tp, pp=pp, dp=dp, params=sum(p.numel for p in params),
+                         buckets=len(buckets), persistent=bound.persistent, error=bound.error,
+                         tables=bound.tables + bound.spans, host=bound.host,
+                         transient_bound=bound.transient, transient_landed=landed.transient,
+                         transient_off=off.transient))
+    return rows

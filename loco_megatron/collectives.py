@@ -25,8 +25,9 @@ megatron-core's ``reduce_scatter_with_fp32_accumulation``
 returns a handle whose ``wait()`` finishes the work (step 3).
 """
 
+import collections
 from dataclasses import dataclass
-from typing import Callable, Hashable, List, Optional
+from typing import Callable, Deque, Hashable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,9 @@ class LoCoWork:
         self._comm_timer = comm_timer
 
     def wait(self, timeout=None) -> bool:
-        """Wait for the all-to-alls, then dequantize, sum and write the shard (once)."""
+        """Wait for the all-to-alls, then dequantize, sum and write the shard (once); then drop
+        the works and the buffers they and ``finish`` hold (send and receive payloads and
+        scales), whoever still holds this handle."""
         if not self._done:
             if self._works:
                 self._comm_timer.start()
@@ -92,7 +95,14 @@ class LoCoWork:
                 self._comm_timer.stop()
             self._finish()
             self._done = True
+            self._works, self._finish = [], None
         return True
+
+    def landed(self) -> bool:
+        """True when every all-to-all of this handle has completed: a query that never waits
+        (NCCL: an event query; gloo: a flag), after which :meth:`wait` neither blocks the host
+        nor makes the current stream wait."""
+        return all(w is None or w.is_completed() for w in self._works)
 
     def is_completed(self) -> bool:
         """True once :meth:`wait` has written the reduced shard."""
@@ -108,6 +118,44 @@ def launch(works: List, finish: Callable[[], None], comm_timer, async_op: bool):
         return handle
     handle.wait()
     return None
+
+
+class InFlight:
+    """A step's flat LoCo handles not finished yet, in launch order (with
+    ``overlap_grad_reduce``, megatron launches each bucket from its backward hooks and waits for
+    all of them in ``finish_grad_sync``).
+
+    :meth:`finish_landed`, called before each launch, finishes the leading handles whose
+    all-to-alls have landed: their shards are decompressed while backward goes on, and their
+    send and receive buffers are freed then, not at ``finish_grad_sync``. The shard values are the
+    same (a bucket's decompress reads only its own received buffers), and megatron reads a
+    bucket's shard only after ``finish_grad_sync``; its later ``wait()`` is a no-op. Without it
+    every bucket's buffers (~1 byte per gradient element at 4 bits) are live at the end of
+    backward (loco_megatron/step_memory.py)."""
+
+    def __init__(self):
+        self._works: Deque[LoCoWork] = collections.deque()
+
+    def add(self, works: List) -> None:
+        """Queue the :class:`LoCoWork` handles of ``works`` (others are ignored)."""
+        self._works.extend(w for w in works if isinstance(w, LoCoWork))
+
+    def finish_landed(self) -> int:
+        """Finish the queued handles, oldest first, up to the first that has not landed
+        (:meth:`LoCoWork.landed`; no host sync); returns how many it finished."""
+        finished = 0
+        while self._works:
+            work = self._works[0]
+            if not work.is_completed():
+                if not work.landed():
+                    break
+                work.wait()
+                finished += 1
+            self._works.popleft()
+        return finished
+
+    def __len__(self) -> int:
+        return len(self._works)
 
 
 class GroupWork:

@@ -25,7 +25,7 @@ import torch
 
 from ..accounting import check_wire_not_above_stock
 from ..agreement import check_layouts_agree
-from ..collectives import GroupWork, WireStats, compensated_reduce_scatter
+from ..collectives import GroupWork, InFlight, WireStats, compensated_reduce_scatter
 from ..hierarchical import forget_pending_inter_stages, hierarchical_reduce_scatter
 from ..compensator import Compensator
 from ..config import PER_TOKEN_LOSS, LoCoConfig, LoCoConfigError
@@ -68,6 +68,8 @@ class LoCoState:
         self.compensator = Compensator(config) if config.enabled else None
         self.nonfinite = NonfiniteMonitor(self.compensator) if config.enabled else None
         self.wire = WireStats()
+        #: flat LoCo handles launched from megatron's hooks, finished early once landed
+        self.in_flight = InFlight()
         self.num_chunks = 0
         self.num_buckets = 0
         self.layouts = {}
@@ -180,8 +182,9 @@ def _wrap_ddp_init(orig):
                 bucket.loco_generation = state.generation
                 state.num_buckets += 1
         compressed = _check_agreement(state, self)
+        impl = None
         for _, bucket, _ in compressed[:1]:  # --loco-kernels refusals at model build, not at
-            kernels.select(state.config.kernels, bucket.grad_data)  # the first step
+            impl = kernels.select(state.config.kernels, bucket.grad_data)  # the first step
         buffers = buffer_reports(self, compressed if state.active else [])
         if state.active and not state.config.hierarchical:  # never more bytes than stock
             for buf in buffers:
@@ -198,7 +201,9 @@ def _wrap_ddp_init(orig):
         log_buffers(chunk, state.config, buffers)
         if not state.active:
             return
-        log_chunk_layout(chunk, state.config, buffers)
+        log_chunk_layout(chunk, state.config, buffers,
+                         overlap=self.ddp_config.overlap_grad_reduce,
+                         kernel_device={"triton": "cuda", "cpu": "cpu"}.get(impl))
         if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
             log_hierarchical_topology(chunk, state.config, [
                 (group.intra_distributed_optimizer_instance_group, layout,
@@ -235,6 +240,7 @@ def _wrap_start_grad_sync(orig):
             return orig(self, *args, **kwargs)  # stock path (DP size 1: nothing is sent)
         if state.config.start_iter and _count_warmup_step(state, self):
             return orig(self, *args, **kwargs)  # --loco-start-iter: full precision for now
+        state.in_flight.finish_landed()  # earlier buckets whose all-to-alls landed
         buckets = iter(self.buckets)
         works = []
         timers = state.timers() if state.timers is not None else None
@@ -276,6 +282,8 @@ def _wrap_start_grad_sync(orig):
             # node at 16 intra-node bits, whose own handle is torch's placeholder _IllegalWork)
             self.grad_reduce_handle = GroupWork(
                 [self.grad_reduce_handle] + [w for w in works if not _placeholder(w)])
+        if not state.config.hierarchical:
+            state.in_flight.add(works)
         state.nonfinite.poll()  # NaN/Inf met by this or an earlier launch: a warning
         return result
     return start_grad_sync

@@ -5,7 +5,7 @@ chunk's totals, the parameter all-gather and the hierarchical topology."""
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -15,6 +15,7 @@ from ..layout import BucketLayout
 from ..accounting import (error_state_bytes, expected_bytes_per_step,
                           hierarchical_bytes_per_step, param_gather_bytes_per_step,
                           stage_error_bytes)
+from ..step_memory import describe, step_memory
 
 logger = logging.getLogger("loco_megatron")
 
@@ -135,10 +136,14 @@ def log_buffers(chunk: int, config: LoCoConfig, buffers: List[BufferReport]) -> 
                   f"({loco / stock if stock else 0.0:.3f}x)" + (f"; {detail}" if detail else ""))
 
 
-def log_chunk_layout(chunk: int, config: LoCoConfig, buffers: List[BufferReport]) -> None:
+def log_chunk_layout(chunk: int, config: LoCoConfig, buffers: List[BufferReport], *,
+                     overlap: bool = True, kernel_device: Optional[str] = None) -> None:
     """The chunk's totals over its compressed buckets: buckets, elements, bytes per step per
     rank on the wire against stock (both hierarchical stages together under
-    ``--loco-hierarchical``), and the error state's memory and checkpoint bytes."""
+    ``--loco-hierarchical``), the error state's memory and checkpoint bytes, and LoCo's
+    persistent and peak transient memory in a step (:func:`loco_megatron.step_memory.step_memory`,
+    flat LoCo with the fused kernels: ``kernel_device`` ``"cuda"`` (Triton) or ``"cpu"`` (C);
+    None, the torch reference, prints no memory line)."""
     compressed = [b for buf in buffers for b in buf.compressed]
     if not compressed:
         why = ("data-parallel size 1, no gradient is communicated" if all(
@@ -159,6 +164,11 @@ def log_chunk_layout(chunk: int, config: LoCoConfig, buffers: List[BufferReport]
             f"> LoCo: model chunk {chunk}: error state {memory} bytes per rank in memory "
             f"({memory / numel:.3f} B/element), <= {disk} tensor bytes per rank per checkpoint "
             f"({disk / numel:.3f} B/element)")
+        if kernel_device is not None and not any(lay.exact_shard for lay in layouts):
+            wire = [(lay, elem) for _, lay, elem in compressed]
+            bound = step_memory(config, wire, overlap=overlap, device=kernel_device)
+            least = step_memory(config, wire, overlap=overlap, device=kernel_device, in_flight=1)
+            print_rank_0(f"> LoCo: model chunk {chunk}: {describe(bound, overlap, least)}")
 
 
 def log_param_gather(chunk: int, config: LoCoConfig,

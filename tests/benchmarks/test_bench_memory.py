@@ -186,3 +186,23 @@ def test_triton_telemetry_formula_follows_the_kernel():
     tele = loco_memory_formula(lay, 4, 4, 256, impl="triton", telemetry=True)
     charged = any("squared_norm" in name for name, _ in tele["phases"])
     assert charged == (not returns_buf_sq)
+
+
+def test_step_memory_figures_are_the_documented_ones():
+    """docs/kernels.md's 7B and 70B memory table is what step_memory_figures computes, and
+    the overlap-on bound holds every bucket's send and receive buffers (~1 B per element at
+    4 bits) while each-landed equals overlap off (the largest bucket's)."""
+    from pathlib import Path
+
+    from benchmarks.memory_formula import step_memory_figures
+
+    doc = (Path(__file__).parents[2] / "docs" / "kernels.md").read_text()
+    gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    for r in step_memory_figures():
+        row = next(line for line in doc.splitlines() if line.startswith(f"  | {r['model']},"))
+        assert f"{r['params'] / 1e9:.2f}e9, {r['buckets']} |" in row, row
+        assert (f"{gib(r['persistent'])} GiB ({gib(r['error'])} + {gib(r['tables'])})"
+                in row), (row, r)
+        assert f"{gib(r['transient_bound'])} GiB / {r['transient_landed'] / 2**20:.0f} MiB" in row
+        assert r["transient_landed"] == r["transient_off"] < r["transient_bound"]
+        assert 1.0 < r["transient_bound"] / r["params"] < 1.1

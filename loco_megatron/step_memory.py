@@ -1,0 +1,155 @@
+"""LoCo's memory per rank in a training step, exactly: persistent state and the step's peak.
+
+Pure arithmetic on :class:`~loco_megatron.layout.BucketLayout` (no torch.distributed, no
+megatron), for the flat compensated reduce-scatter (loco_megatron/collectives.py) with the fused
+kernels (Triton on GPUs, C on CPU ranks) and LoCo's telemetry off. It counts every tensor LoCo
+allocates, in the order it allocates and frees them:
+
+* **persistent**, held from the first step on: each bucket's error buffer
+  (:class:`~loco_megatron.error_buffer.ErrorBuffer`: int8 codes ``n`` + fp32 scales ``4 s``, or
+  fp32 values ``4 n``; ``n = world * padded_shard`` wire elements, ``s`` blocks), its block table
+  (:mod:`loco_megatron.kernels.block_table`: source and wire offsets int64, lengths int32,
+  ``20 s``, cached per distinct layout: buckets of equal layouts share one), its blocks' spans
+  (int64 ``8 s``: the error buffer's copy on the device, per bucket; on CPU ranks the table's own
+  tensor, per distinct layout, which on GPUs stays on the host), the bucket's latest NaN/Inf
+  block count (int32, 4 B) and the rank's running count (int64, 8 B; its pinned host copy of
+  :class:`~loco_megatron.nonfinite.NonfiniteMonitor`, 8 B, is host memory on GPUs);
+* **transient**: a bucket's send buffers (payload ``n * bits / 8`` + scales ``4 s``), allocated by
+  its compress, and its receive buffers (the same), allocated before its all-to-alls, both freed
+  when megatron drops the bucket's handle after ``finish_grad_sync`` waited on it; the
+  decompress's fp32 copy of the shard where the kernel cannot write the output directly (C
+  kernel, output not fp32); the C kernel's fp32 copy of an fp16 bucket during its compress.
+  With ``overlap_grad_reduce`` megatron launches every bucket from its backward hooks and waits
+  for all of them in ``finish_grad_sync``; LoCo finishes (decompresses and frees) each bucket
+  whose all-to-alls have landed before the next launch
+  (:class:`~loco_megatron.collectives.InFlight`), so the buffers live at once are those of the
+  buckets in flight: between one bucket's (communication keeps up with backward) and every
+  bucket's (nothing lands before the end of backward, the bound). Without overlap each bucket is
+  reduced synchronously: one bucket's.
+
+Native workspace (the C kernels' per-block ``malloc``, NCCL's and gloo's own buffers) is not a
+tensor and is not counted. benchmarks/memory_formula.py applies this to LLaMA-2 7B and 70B;
+tests/distributed/test_memory_overlap.py checks it against
+:class:`~loco_megatron.emulation.alloc_tracker.AllocationTracker` under the CPU emulation.
+"""
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+from .config import LoCoConfig
+from .layout import BucketLayout
+
+#: per bucket: the latest non-finite block count (int32); per rank: the running count (int64)
+BUCKET_COUNTER, RANK_COUNTER = 4, 8
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """LoCo's bytes on one rank (module doc). ``persistent`` and ``peak`` are device bytes
+    (``device="cpu"``: every byte LoCo allocates, the host ones included, as the CPU emulation
+    counts them); ``peak`` includes ``persistent``; ``host`` are host bytes on GPUs (0 on CPU).
+
+    Attributes:
+        error, tables, spans, counters: the parts of ``persistent``.
+        wire_all: every bucket's send + receive buffers (the overlap-on peak's transient part
+            without the decompress copy).
+        transient: ``peak - persistent``.
+    """
+
+    persistent: int
+    peak: int
+    host: int
+    error: int
+    tables: int
+    spans: int
+    counters: int
+    wire_all: int
+
+    @property
+    def transient(self) -> int:
+        return self.peak - self.persistent
+
+
+def _wire(lay: BucketLayout, bits: int) -> int:
+    """One way: payload + scales of the whole padded bucket."""
+    return lay.world * lay.padded_shard * bits // 8 + 4 * lay.nblocks
+
+
+def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]], *,
+                overlap: bool, device: str = "cuda", fp16: bool = False,
+                in_flight: Optional[int] = None) -> StepMemory:
+    """LoCo's persistent bytes and the peak of one steady step on one rank (module doc).
+
+    Args:
+        config: bits, error storage (``config.error_dtype``).
+        buckets: ``(layout, grad element size in bytes)`` of every compressed bucket, in the
+            order megatron launches and waits for them (``model.bucket_groups``).
+        overlap: ``overlap_grad_reduce``.
+        device: ``"cuda"`` (Triton kernels) or ``"cpu"`` (C kernels, the CPU emulation).
+        fp16: the gradients are fp16 (the C kernel compresses an fp32 copy).
+        in_flight: with overlap, the most buckets whose all-to-alls have not landed when the
+            next one launches, plus that one (:class:`~loco_megatron.collectives.InFlight`
+            finishes and frees the landed ones first): 1 when each lands before the next bucket
+            is ready (communication keeps up with backward), None (the default, the upper
+            bound) when none lands before the end of backward.
+
+    Raises:
+        ValueError: ``--loco-hierarchical`` or ``--loco-full-precision-1d`` (their stage and
+            lane buffers are not in this formula), or an unknown ``device``.
+    """
+    if config.hierarchical or any(lay.exact_shard for lay, _ in buckets):
+        raise ValueError("step_memory covers the flat reduce-scatter without "
+                         "--loco-full-precision-1d")
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device {device!r} is not 'cuda' or 'cpu'")
+    cpu = device == "cpu"
+    n = [lay.world * lay.padded_shard for lay, _ in buckets]
+    s = [lay.nblocks for lay, _ in buckets]
+    error = sum(k + 4 * b if config.error_dtype == "int8" else 4 * k for k, b in zip(n, s))
+    # block tables are cached per distinct layout (equal layouts share one: kernels/block_table.py);
+    # an error buffer's spans are the table's own tensor on CPU ranks, its device copy on GPUs
+    distinct = sum({lay: lay.nblocks for lay, _ in buckets}.values())
+    tables = 20 * distinct
+    spans = 8 * (distinct if cpu else sum(s))
+    counters = BUCKET_COUNTER * len(buckets) + RANK_COUNTER + (RANK_COUNTER if cpu else 0)
+    persistent = error + tables + spans + counters
+    host = 0 if cpu else 8 * distinct + RANK_COUNTER
+    wire = [_wire(lay, config.bits) for lay, _ in buckets]
+    # the decompress's fp32 shard copy (C kernel, output not fp32; Triton writes any
+    # contiguous output); the C compress's fp32 copy of an fp16 bucket
+    finish_tmp = [4 * lay.shard if cpu and elem != 4 else 0 for lay, elem in buckets]
+    compress_tmp = [4 * lay.numel if cpu and fp16 else 0 for lay, _ in buckets]
+    window = 1 if not overlap else len(wire) if in_flight is None else max(1, in_flight)
+    live, peak, queue = 0, 0, []
+
+    def finish(k):  # a bucket's decompress, then its buffers are freed
+        nonlocal live, peak
+        peak = max(peak, live + finish_tmp[k])
+        live -= 2 * wire[k]
+
+    for k, w in enumerate(wire):  # launch order
+        while len(queue) >= window:  # landed before this launch (InFlight.finish_landed);
+            finish(queue.pop(0))  # without overlap: reduced synchronously, one at a time
+        peak = max(peak, live + w + compress_tmp[k], live + 2 * w)  # send, then receive buffers
+        live += 2 * w
+        queue.append(k)
+    for k in queue:  # finish_grad_sync
+        finish(k)
+    return StepMemory(persistent=persistent, peak=persistent + peak, host=host, error=error,
+                      tables=tables, spans=spans, counters=counters, wire_all=2 * sum(wire))
+
+
+def describe(bound: StepMemory, overlap: bool, least: Optional[StepMemory] = None) -> str:
+    """The start-up line's figures: ``"persistent P bytes (...), peak transient T bytes ..."``;
+    with overlap, ``least`` (:func:`step_memory` with ``in_flight=1``) gives the low end."""
+    if overlap and least is not None and least.transient != bound.transient:
+        when = (f"{least.transient} to {bound.transient} bytes in a step (overlap_grad_reduce: "
+                f"the send and receive buffers of the buckets whose all-to-alls have not landed; "
+                f"the low end when each lands before the next bucket is ready, the high end "
+                f"when none lands before the end of backward)")
+    else:
+        when = f"{bound.transient} bytes in a step (one bucket's send and receive buffers)"
+    return (f"LoCo memory per rank: persistent {bound.persistent} bytes (error buffers "
+            f"{bound.error}, block tables {bound.tables + bound.spans}, counters "
+            f"{bound.counters}), peak transient {when}")
+
