@@ -154,9 +154,6 @@ class InFlight:
             self._works.popleft()
         return finished
 
-    def __len__(self) -> int:
-        return len(self._works)
-
 
 class GroupWork:
     """One handle over several: what megatron-core's bucket group stores as

@@ -36,6 +36,7 @@ tests/distributed/test_memory_overlap.py checks it against
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+from .accounting import error_state_bytes
 from .config import LoCoConfig
 from .layout import BucketLayout
 
@@ -70,11 +71,6 @@ class StepMemory:
         return self.peak - self.persistent
 
 
-def _wire(lay: BucketLayout, bits: int) -> int:
-    """One way: payload + scales of the whole padded bucket."""
-    return lay.world * lay.padded_shard * bits // 8 + 4 * lay.nblocks
-
-
 def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]], *,
                 overlap: bool, device: str = "cuda", fp16: bool = False,
                 in_flight: Optional[int] = None) -> StepMemory:
@@ -103,9 +99,8 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r} is not 'cuda' or 'cpu'")
     cpu = device == "cpu"
-    n = [lay.world * lay.padded_shard for lay, _ in buckets]
     s = [lay.nblocks for lay, _ in buckets]
-    error = sum(k + 4 * b if config.error_dtype == "int8" else 4 * k for k, b in zip(n, s))
+    error = error_state_bytes(config, [lay for lay, _ in buckets])[0]
     # block tables are cached per distinct layout (equal layouts share one: kernels/block_table.py);
     # an error buffer's spans are the table's own tensor on CPU ranks, its device copy on GPUs
     distinct = sum({lay: lay.nblocks for lay, _ in buckets}.values())
@@ -114,7 +109,7 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
     counters = BUCKET_COUNTER * len(buckets) + RANK_COUNTER + (RANK_COUNTER if cpu else 0)
     persistent = error + tables + spans + counters
     host = 0 if cpu else 8 * distinct + RANK_COUNTER
-    wire = [_wire(lay, config.bits) for lay, _ in buckets]
+    wire = [lay.world * lay.wire_bytes_per_peer(config.bits) for lay, _ in buckets]  # one way
     # the decompress's fp32 shard copy (C kernel, output not fp32; Triton writes any
     # contiguous output); the C compress's fp32 copy of an fp16 bucket
     finish_tmp = [4 * lay.shard if cpu and elem != 4 else 0 for lay, elem in buckets]
