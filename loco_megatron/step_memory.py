@@ -19,13 +19,13 @@ allocates, in the order it allocates and frees them:
   when megatron drops the bucket's handle after ``finish_grad_sync`` waited on it; the
   decompress's fp32 copy of the shard where the kernel cannot write the output directly (C
   kernel, output not fp32); the C kernel's fp32 copy of an fp16 bucket during its compress.
-  With ``overlap_grad_reduce`` megatron launches every bucket from its backward hooks and waits
-  for all of them in ``finish_grad_sync``; LoCo finishes (decompresses and frees) each bucket
-  whose all-to-alls have landed before the next launch
-  (:class:`~loco_megatron.collectives.InFlight`), so the buffers live at once are those of the
-  buckets in flight: between one bucket's (communication keeps up with backward) and every
-  bucket's (nothing lands before the end of backward, the bound). Without overlap each bucket is
-  reduced synchronously: one bucket's.
+  With ``overlap_grad_reduce`` megatron launches each bucket group (all its buckets at once)
+  from its backward hooks and waits for all of them in ``finish_grad_sync``; LoCo finishes
+  (decompresses and frees) each bucket whose all-to-alls have landed before the next group's
+  launch (:class:`~loco_megatron.collectives.InFlight`), so the buffers live at once are those
+  of the groups in flight: between one group's (communication keeps up with backward) and
+  every bucket's (nothing lands before the end of backward, the bound). Without overlap each
+  bucket is reduced synchronously: one bucket's.
 
 Native workspace (the C kernels' per-block ``malloc``, NCCL's and gloo's own buffers) is not a
 tensor and is not counted. benchmarks/memory_formula.py applies this to LLaMA-2 7B and 70B;
@@ -73,7 +73,8 @@ class StepMemory:
 
 def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]], *,
                 overlap: bool, device: str = "cuda", fp16: bool = False,
-                in_flight: Optional[int] = None) -> StepMemory:
+                in_flight: Optional[int] = None,
+                groups: Optional[Sequence[int]] = None) -> StepMemory:
     """LoCo's persistent bytes and the peak of one steady step on one rank (module doc).
 
     Args:
@@ -83,21 +84,31 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
         overlap: ``overlap_grad_reduce``.
         device: ``"cuda"`` (Triton kernels) or ``"cpu"`` (C kernels, the CPU emulation).
         fp16: the gradients are fp16 (the C kernel compresses an fp32 copy).
-        in_flight: with overlap, the most buckets whose all-to-alls have not landed when the
-            next one launches, plus that one (:class:`~loco_megatron.collectives.InFlight`
-            finishes and frees the landed ones first): 1 when each lands before the next bucket
-            is ready (communication keeps up with backward), None (the default, the upper
-            bound) when none lands before the end of backward.
+        in_flight: with overlap, the most bucket groups whose all-to-alls have not landed
+            when the next group launches, plus that one
+            (:class:`~loco_megatron.collectives.InFlight` finishes and frees the landed ones
+            first, once per group launch): 1 when each group lands before the next is ready
+            (communication keeps up with backward), None (the default, the upper bound) when
+            none lands before the end of backward.
+        groups: buckets per megatron bucket group, in launch order (``model.bucket_groups``;
+            megatron-core's ``partition_buckets``: a group launches all its buckets at once);
+            None, one bucket per group (megatron's default for one gradient buffer). Several
+            buckets share a group with fp8 parameters and in the model chunks after the first
+            under virtual pipeline parallelism with several gradient buffers.
 
     Raises:
         ValueError: ``--loco-hierarchical`` or ``--loco-full-precision-1d`` (their stage and
-            lane buffers are not in this formula), or an unknown ``device``.
+            lane buffers are not in this formula), an unknown ``device``, or ``groups`` that do
+            not add up to the buckets.
     """
     if config.hierarchical or any(lay.exact_shard for lay, _ in buckets):
         raise ValueError("step_memory covers the flat reduce-scatter without "
                          "--loco-full-precision-1d")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r} is not 'cuda' or 'cpu'")
+    groups = [1] * len(buckets) if groups is None else list(groups)
+    if sum(groups) != len(buckets) or any(g < 1 for g in groups):
+        raise ValueError(f"groups {groups} do not split the {len(buckets)} buckets")
     cpu = device == "cpu"
     s = [lay.nblocks for lay, _ in buckets]
     error = error_state_bytes(config, [lay for lay, _ in buckets])[0]
@@ -114,36 +125,46 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
     # contiguous output); the C compress's fp32 copy of an fp16 bucket
     finish_tmp = [4 * lay.shard if cpu and elem != 4 else 0 for lay, elem in buckets]
     compress_tmp = [4 * lay.numel if cpu and fp16 else 0 for lay, _ in buckets]
-    window = 1 if not overlap else len(wire) if in_flight is None else max(1, in_flight)
+    if not overlap:  # each bucket reduced synchronously, one at a time
+        groups = [1] * len(buckets)
+    window = 1 if not overlap else len(groups) if in_flight is None else max(1, in_flight)
     live, peak, queue = 0, 0, []
 
-    def finish(k):  # a bucket's decompress, then its buffers are freed
+    def finish(ks):  # a group's decompresses, then its buffers are freed
         nonlocal live, peak
-        peak = max(peak, live + finish_tmp[k])
-        live -= 2 * wire[k]
+        for k in ks:
+            peak = max(peak, live + finish_tmp[k])
+            live -= 2 * wire[k]
 
-    for k, w in enumerate(wire):  # launch order
-        while len(queue) >= window:  # landed before this launch (InFlight.finish_landed);
-            finish(queue.pop(0))  # without overlap: reduced synchronously, one at a time
-        peak = max(peak, live + w + compress_tmp[k], live + 2 * w)  # send, then receive buffers
-        live += 2 * w
-        queue.append(k)
-    for k in queue:  # finish_grad_sync
-        finish(k)
+    first = 0
+    for size in groups:  # launch order
+        while len(queue) >= window:  # landed before this group's launch
+            finish(queue.pop(0))  # (InFlight.finish_landed)
+        for k in range(first, first + size):
+            w = wire[k]  # its send, then its receive buffers
+            peak = max(peak, live + w + compress_tmp[k], live + 2 * w)
+            live += 2 * w
+        queue.append(range(first, first + size))
+        first += size
+    for ks in queue:  # finish_grad_sync
+        finish(ks)
     return StepMemory(persistent=persistent, peak=persistent + peak, host=host, error=error,
                       tables=tables, spans=spans, counters=counters, wire_all=2 * sum(wire))
 
 
 def describe(bound: StepMemory, overlap: bool, least: Optional[StepMemory] = None) -> str:
     """The start-up line's figures: ``"persistent P bytes (...), peak transient T bytes ..."``;
-    with overlap, ``least`` (:func:`step_memory` with ``in_flight=1``) gives the low end."""
-    if overlap and least is not None and least.transient != bound.transient:
-        when = (f"{least.transient} to {bound.transient} bytes in a step (overlap_grad_reduce: "
-                f"the send and receive buffers of the buckets whose all-to-alls have not landed; "
-                f"the low end when each lands before the next bucket is ready, the high end "
-                f"when none lands before the end of backward)")
-    else:
+    with overlap, ``least`` (:func:`step_memory` with ``in_flight=1``) gives the low end (one
+    figure when both ends are equal, e.g. one bucket group)."""
+    if not overlap:
         when = f"{bound.transient} bytes in a step (one bucket's send and receive buffers)"
+    else:
+        low = least.transient if least is not None else bound.transient
+        span = f"{low} to {bound.transient}" if low != bound.transient else f"{low}"
+        when = (f"{span} bytes in a step (overlap_grad_reduce: the send and receive buffers of "
+                f"the buckets whose all-to-alls have not landed; the low end when each bucket "
+                f"group lands before the next is ready, the high end when none lands before the "
+                f"end of backward)")
     return (f"LoCo memory per rank: persistent {bound.persistent} bytes (error buffers "
             f"{bound.error}, block tables {bound.tables + bound.spans}, counters "
             f"{bound.counters}), peak transient {when}")

@@ -12,6 +12,7 @@ else holds (``torch._C._storage_Use_Count``): a storage is live while any tensor
 seen.
 """
 
+import time
 from typing import Dict, List, Tuple
 
 import torch
@@ -44,6 +45,20 @@ class AllocationTracker(HookReentrantMode):
                 del self._live[ptr]
                 self.live_bytes -= nbytes
         return self.live_bytes
+
+    def settle(self, quiet: int = 5, interval_s: float = 0.02, timeout_s: float = 5.0) -> int:
+        """:meth:`sweep` until ``live_bytes`` is unchanged over ``quiet`` sweeps ``interval_s``
+        apart (at most ``timeout_s`` seconds); returns ``live_bytes``. A ``torch.distributed``
+        worker thread may hold a finished work's tensors a moment after ``wait()`` returned
+        (gloo marks a work complete before its worker thread drops it): on a loaded machine a
+        lone :meth:`sweep` can count them."""
+        last, same, end = self.sweep(), 0, time.monotonic() + timeout_s
+        while same < quiet and time.monotonic() < end:
+            time.sleep(interval_s)
+            now = self.sweep()
+            same = same + 1 if now == last else 0
+            last = now
+        return last
 
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (e.g. at the start of a step)."""

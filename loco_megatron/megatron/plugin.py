@@ -25,7 +25,8 @@ import torch
 
 from ..accounting import check_wire_not_above_stock
 from ..agreement import check_layouts_agree
-from ..collectives import GroupWork, InFlight, WireStats, compensated_reduce_scatter
+from ..collectives import (GroupWork, InFlight, WireStats, check_launch,
+                           compensated_reduce_scatter)
 from ..hierarchical import forget_pending_inter_stages, hierarchical_reduce_scatter
 from ..compensator import Compensator
 from ..config import PER_TOKEN_LOSS, LoCoConfig, LoCoConfigError
@@ -201,9 +202,14 @@ def _wrap_ddp_init(orig):
         log_buffers(chunk, state.config, buffers)
         if not state.active:
             return
+        launch = {}  # the compressed buckets per bucket group, in megatron's launch order
+        for group, bucket, layout in compressed:
+            launch.setdefault(id(group), []).append((layout, bucket.grad_data.element_size()))
         log_chunk_layout(chunk, state.config, buffers,
                          overlap=self.ddp_config.overlap_grad_reduce,
-                         kernel_device={"triton": "cuda", "cpu": "cpu"}.get(impl))
+                         kernel_device={"triton": "cuda", "cpu": "cpu"}.get(impl),
+                         launch=list(launch.values()), fp16=any(
+                             b.grad_data.dtype == torch.float16 for _, b, _ in compressed))
         if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
             log_hierarchical_topology(chunk, state.config, [
                 (group.intra_distributed_optimizer_instance_group, layout,
@@ -240,6 +246,8 @@ def _wrap_start_grad_sync(orig):
             return orig(self, *args, **kwargs)  # stock path (DP size 1: nothing is sent)
         if state.config.start_iter and _count_warmup_step(state, self):
             return orig(self, *args, **kwargs)  # --loco-start-iter: full precision for now
+        for bucket in self.buckets[:1]:  # the launch guards (a CUDA graph being captured)
+            check_launch(bucket.grad_data, "the LoCo reduce-scatter")  # before any query
         state.in_flight.finish_landed()  # earlier buckets whose all-to-alls landed
         buckets = iter(self.buckets)
         works = []

@@ -104,7 +104,8 @@ def test_replaced_reduce_scatter_refused_at_first_use(_clean):
     state = loco_megatron.install(LoCoConfig(bits=4))
     calls = []
     start = plugin._wrap_start_grad_sync(lambda self, *a, **k: calls.append(1))
-    bucket = types.SimpleNamespace(loco_generation=state.generation, loco_key=(0, 0, 0))
+    bucket = types.SimpleNamespace(loco_generation=state.generation, loco_key=(0, 0, 0),
+                                   grad_data=torch.zeros(4))
     group = types.SimpleNamespace(
         ddp_config=types.SimpleNamespace(use_distributed_optimizer=True),
         intra_distributed_optimizer_instance_size=2, buckets=[bucket], grad_reduce_handle=None)

@@ -30,23 +30,34 @@ def _landed(mode):
 
 
 def memory_worker(rank, world, cases, bits=4):
-    """For each ``(bucket_size, overlap, landed)``: 2 warm-up steps (error buffers, tables,
-    counters), then the live bytes (persistent) and one more step's peak; ``landed`` (overlap
-    on): ``"none"`` or ``"all"`` (:func:`_landed`). Returns per case: buckets, measured
-    persistent and peak, the formula's, the start-up line's persistent figure, and the peak's
-    largest live storages (``file:line``, bytes) for a failure message."""
+    """For each ``(bucket_size, overlap, landed, one_group)``: 2 warm-up steps (error buffers, tables,
+    counters), then the live bytes once settled (persistent;
+    :meth:`~loco_megatron.emulation.alloc_tracker.AllocationTracker.settle`) and the lower peak
+    of two more steps (gloo's worker thread may hold a finished bucket's buffers a moment
+    after its ``wait()``: that only adds bytes); ``one_group``: megatron's buckets in one bucket
+    group (``partition_buckets(force_single_bucket_group=True)``); ``landed`` (overlap
+    on): ``"none"`` or ``"all"`` (:func:`_landed`). Returns per case: buckets, bucket
+    groups, measured persistent and peak, the formula's, the start-up line's persistent figure
+    and transient range with the formula's (``span``), and the peak's largest live storages
+    (``file:line``, bytes) for a failure message."""
     import loco_megatron
     from loco_megatron import collectives
     from loco_megatron.emulation.alloc_tracker import AllocationTracker
     from loco_megatron.megatron import compat
     from loco_megatron.step_memory import step_memory
 
+    import megatron.core.distributed.distributed_data_parallel as ddp_module
+
     setup(1, "gloo")
     out = []
-    real_landed = collectives.LoCoWork.landed
-    for bucket_size, overlap, landed in cases:
+    real_landed, partition = collectives.LoCoWork.landed, ddp_module.partition_buckets
+    for bucket_size, overlap, landed, one_group in cases:
         log = io.StringIO()
         collectives.LoCoWork.landed = _landed(landed) if overlap else real_landed
+        if one_group:  # as megatron groups a chunk's buckets (fp8; virtual pipeline chunks > 0)
+            ddp_module.partition_buckets = (
+                lambda buffers, *a, force_single_bucket_group=False, **k: partition(
+                    buffers, *a, force_single_bucket_group=True, **k))
         state = loco_megatron.install(loco_megatron.LoCoConfig(bits=bits))
         with AllocationTracker() as tracker:  # entered after install: its patches on top
             with contextlib.redirect_stdout(log):
@@ -55,18 +66,30 @@ def memory_worker(rank, world, cases, bits=4):
             for _ in range(2):
                 forward_backward(model, opt)
             gc.collect()
-            persistent = tracker.sweep()
-            tracker.reset_peak()
-            forward_backward(model, opt)
-            peak, at_peak = tracker.peak_bytes, sorted(tracker.peak_live, key=lambda x: -x[1])
+            persistent = tracker.settle()
+            peaks = []
+            for _ in range(2):  # a worker thread's late release only adds bytes: the lower
+                tracker.settle()
+                tracker.reset_peak()
+                forward_backward(model, opt)
+                peaks.append((tracker.peak_bytes, tracker.peak_live))
+            peak, at_peak = min(peaks, key=lambda x: x[0])
+            at_peak = sorted(at_peak, key=lambda x: -x[1])
         collectives.LoCoWork.landed = real_landed
+        ddp_module.partition_buckets = partition
+        groups = compat.ddp_bucket_groups(model)
         buckets = [(state.layout_for(b, world), b.grad_data.element_size())
-                   for g in compat.ddp_bucket_groups(model) for b in g.buckets]
-        mem = step_memory(state.config, buckets, overlap=overlap, device="cpu",
-                          in_flight=1 if landed == "all" else None)
-        line = re.search(r"LoCo memory per rank: persistent (\d+) bytes", log.getvalue())
-        out.append(dict(buckets=len(buckets), persistent=persistent, peak=peak,
+                   for g in groups for b in g.buckets]
+        ends = [step_memory(state.config, buckets, overlap=overlap, device="cpu",
+                            in_flight=in_flight, groups=[len(g.buckets) for g in groups])
+                for in_flight in (1, None)]
+        mem = ends[0] if landed == "all" else ends[1]
+        line = re.search(r"LoCo memory per rank: persistent (\d+) bytes.*?peak transient "
+                         r"(\d+)(?: to (\d+))? bytes", log.getvalue())
+        out.append(dict(buckets=len(buckets), groups=len(groups), persistent=persistent, peak=peak,
                         formula=mem, logged=int(line.group(1)) if line else None,
+                        logged_transient=(int(line.group(2)), int(line.group(3) or line.group(2)))
+                        if line else None, span=tuple(m.transient for m in ends),
                         at_peak=at_peak[:6]))
         loco_megatron.uninstall()
         del model, opt

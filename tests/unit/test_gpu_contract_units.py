@@ -287,6 +287,35 @@ def test_collectives_refuse_graph_capture_and_a_foreign_device(monkeypatch):
         collectives.check_launch(on, "the LoCo parameter all-gather")
 
 
+def test_bucket_group_launch_guarded_before_earlier_buckets_are_queried(monkeypatch):
+    """megatron's ``start_grad_sync`` under LoCo refuses a CUDA graph capture before it queries
+    or finishes earlier buckets' handles (``InFlight.finish_landed``: an event query and a
+    decompress would be captured). Planted: a handle whose query fails the test."""
+    import loco_megatron
+    from loco_megatron import collectives
+    from loco_megatron.megatron import plugin
+
+    class Queried(collectives.LoCoWork):
+        def landed(self):
+            raise AssertionError("an earlier bucket was queried during the capture")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    group = SimpleNamespace(
+        ddp_config=SimpleNamespace(use_distributed_optimizer=True),
+        intra_distributed_optimizer_instance_size=2,
+        buckets=[SimpleNamespace(grad_data=SimpleNamespace(device=torch.device("cuda", 0)))])
+    state = loco_megatron.install(loco_megatron.LoCoConfig(bits=4))
+    try:
+        state.in_flight.add([Queried([object()], lambda: None)])
+        start = plugin._wrap_start_grad_sync(lambda self, *a, **k: None)
+        with pytest.raises(RuntimeError, match=r"^LoCo: the LoCo reduce-scatter was called "
+                                               r"while a CUDA graph is being captured"):
+            start(group)
+    finally:
+        loco_megatron.uninstall()
+
+
 def test_hierarchical_reorder_index_cleared_with_the_model():
     """The hierarchical stage-1 reorder indices (one per layout and device) go with the
     model's caches, as ``uninstall()`` clears them."""
@@ -323,3 +352,48 @@ def test_allocation_tracker_follows_loco_storages():
         where = {w.split(":")[0] for w, _ in t.peak_live}
         assert where == {os.path.join("loco_megatron", "compensator.py")}, t.peak_live
     del other
+
+
+def test_allocation_tracker_settles_after_a_late_release():
+    """A storage a worker thread lets go of a moment after the step (gloo's worker thread drops a
+    finished work after ``wait()`` returned) is counted by a lone sweep and not by
+    ``settle`` (here: quiet for 0.5 s). Planted: a thread that holds the send buffer 0.05 s
+    more."""
+    import threading
+    import time
+
+    import loco_megatron.compensator as owner
+    from loco_megatron.emulation.alloc_tracker import AllocationTracker
+
+    ns = {"torch": torch}
+    exec(compile("def send(n):\n    return torch.zeros(n, dtype=torch.uint8)\n",
+                 owner.__file__, "exec"), ns)
+    with AllocationTracker() as t:
+        held = [ns["send"](4096)]
+        worker = threading.Thread(target=lambda: (time.sleep(0.05), held.clear()))
+        worker.start()
+        assert t.sweep() == 4096  # still held by the "worker"
+        assert t.settle(quiet=5, interval_s=0.1) == 0
+        worker.join()
+
+
+def test_step_memory_counts_bucket_groups():
+    """With overlap, a bucket group launches all its buckets before LoCo can finish one: the
+    low end (each group landed by the next launch) is the largest group's buffers; groups that
+    do not split the buckets are refused. Without overlap, one bucket's buffers, whatever the
+    groups."""
+    from loco_megatron.config import LoCoConfig
+    from loco_megatron.layout import BucketLayout
+    from loco_megatron.step_memory import step_memory
+
+    cfg = LoCoConfig(bits=4)
+    buckets = [(BucketLayout.build(n, 2, 64), 4) for n in (1024, 2048, 512)]
+    wire = [2 * lay.world * lay.wire_bytes_per_peer(4) for lay, _ in buckets]
+    each = step_memory(cfg, buckets, overlap=True, in_flight=1)
+    grouped = step_memory(cfg, buckets, overlap=True, in_flight=1, groups=[2, 1])
+    off = step_memory(cfg, buckets, overlap=False, groups=[2, 1])
+    assert each.transient == max(wire) and off.transient == max(wire)
+    assert grouped.transient == wire[0] + wire[1]
+    assert step_memory(cfg, buckets, overlap=True, groups=[3]).transient == sum(wire)
+    with pytest.raises(ValueError, match=r"groups \[2, 2\] do not split the 3 buckets"):
+        step_memory(cfg, buckets, overlap=True, groups=[2, 2])
