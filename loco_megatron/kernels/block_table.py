@@ -31,6 +31,11 @@ class BlockTable:
         spans: int64 ``[nblocks]`` on the CPU: wire elements from each block's offset to the
             next block's (its codes, alignment and trailing padding; they sum to
             ``padded_numel``): how per-block scales expand to elements.
+        dense: the bits (of 4 and 8) at which the kernels write every byte of the payload:
+            4 when each block's span is its length rounded up to even (a 4-bit byte holds a
+            pair; an odd block's last high nibble is written as a zero code), 8 when each
+            span is its length. Elsewhere (alignment gaps, a shorter shard's padding) the
+            payload is allocated zero-filled.
     """
 
     layout: ChunkView
@@ -38,6 +43,12 @@ class BlockTable:
     off: torch.Tensor
     length: torch.Tensor
     spans: torch.Tensor
+    dense: frozenset = frozenset()
+
+    def payload_alloc(self, bits: int):
+        """``torch.empty`` when the kernels write every payload byte at ``bits``
+        (:attr:`dense`), else ``torch.zeros`` (the uncovered wire elements are zero codes)."""
+        return torch.empty if bits in self.dense else torch.zeros
 
     @property
     def block_size(self) -> int:
@@ -86,7 +97,10 @@ def _build(view: ChunkView) -> BlockTable:
     t = torch.tensor(blocks, dtype=torch.int64).view(-1, 3)
     src, off, length = t[:, 0].contiguous(), t[:, 1].contiguous(), t[:, 2].to(torch.int32)
     ends = torch.cat((off[1:], torch.tensor([view.world * view.padded_shard])))
-    return BlockTable(view, src, off, length, host_tensor(ends - off))
+    spans, n = ends - off, t[:, 2]
+    dense = frozenset(bits for bits, covered in ((4, n + n % 2), (8, n))
+                      if torch.equal(spans, covered))
+    return BlockTable(view, src, off, length, host_tensor(spans), dense)
 
 
 @per_model
@@ -96,7 +110,8 @@ def _cached(view: ChunkView, device: str) -> BlockTable:
     t = _build(view)
     if device == "cpu":
         return t
-    return BlockTable(view, t.src.to(device), t.off.to(device), t.length.to(device), t.spans)
+    return BlockTable(view, t.src.to(device), t.off.to(device), t.length.to(device), t.spans,
+                      t.dense)
 
 
 def block_table(layout: View, device) -> BlockTable:

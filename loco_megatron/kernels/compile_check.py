@@ -1,7 +1,7 @@
 """Compile every Triton kernel variant for real GPUs, without a GPU, and check the GPU contract.
 
     python -m loco_megatron.kernels.compile_check [--arch sm_80 sm_90] [--subset all|ci]
-                                                  [--blocks N ...] [--jobs N]
+                                                  [--blocks N ...] [--jobs N] [--budgets]
 
 Each variant of :mod:`.variants` (compress, decompress, the weight difference's; 4/8 bits;
 fp32/bf16/fp16; both grids; the block sizes listed there; arguments typed as Triton types them
@@ -24,6 +24,12 @@ spills; the exit status is 1 when any variant breaks a rule:
 * **no unconditional atomics**: every ``tt.atomic_rmw`` has a mask other than the constant
   ``true`` (the NaN/Inf counter is added only by a program that met a non-finite block).
 
+Each line also gives the variant's static performance figures (:mod:`.sass_figures`, from its
+SASS): warp-instructions per element, warps per SM and the issue ceiling in elements/s against
+what HBM allows. The summary lists the variants over their budget
+(:data:`.sass_figures.BUDGETS`); ``--budgets`` makes that a failure. Variants are compiled
+with the 16-byte divisibility hint Triton gives aligned pointers at launch.
+
 The full run (default) takes minutes (``--jobs`` processes compile in parallel); ``--subset ci``
 is the representative subset CI runs (:data:`.variants.CI_BLOCKS`, :data:`.variants.CI_KINDS`);
 ``--blocks`` checks every variant of the given block sizes only. Needs Triton (no GPU, no CUDA
@@ -40,6 +46,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
+from . import sass_figures
+from .launch import launch_config
 from .variants import Variant, all_variants, block_variants
 
 ARITH = {"arith.addi", "arith.subi", "arith.muli", "arith.divsi", "arith.divui",
@@ -194,10 +202,13 @@ def _ptxas(ptx: str, capability: int) -> str:
 
 
 def compile_variant(fn, signature, constexprs, capability: int, num_warps: int = 4) -> dict:
-    """Compile the ``@triton.jit`` function ``fn`` for ``sm_<capability>`` and check it.
+    """Compile the ``@triton.jit`` function ``fn`` for ``sm_<capability>`` and check it, with
+    the divisibility hint Triton adds at launch to every pointer argument (16-byte aligned:
+    torch's allocations, and megatron's bucket views, whose starts it pads to 128 elements).
 
     Returns ``{"registers", "spill_stores", "spill_loads", "stack", "narrow": [TTIR lines],
-    "ieee": [problems], "atomics": [unconditional atomics], "errors": [rule violations]}``.
+    "ieee": [problems], "atomics": [unconditional atomics], "errors": [rule violations],
+    "sass": the SASS, "shared": shared memory bytes}``.
 
     Raises:
         Exception: whatever Triton or ptxas raise on a compile failure.
@@ -206,10 +217,16 @@ def compile_variant(fn, signature, constexprs, capability: int, num_warps: int =
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+    names = fn.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a, t in signature.items() if t.startswith("*")}
+    k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs,
+                                 attrs=attrs),
                        target=GPUTarget("cuda", capability, 32),
                        options={"enable_fp_fusion": False, "num_warps": num_warps})
     out = parse_ptxas(_ptxas(k.asm["ptx"], capability))
+    out["sass"] = sass_figures.disassemble(k.asm["cubin"])
+    out["shared"] = int(k.metadata.shared)
     out["narrow"] = narrow_address_arithmetic(k.asm["ttir"])
     out["atomics"] = unconditional_atomics(k.asm["ttir"])
     ptx = k.asm["ptx"]
@@ -227,33 +244,47 @@ def _check(job: Tuple[Variant, int]) -> Tuple[str, int, dict]:
 
     fn = tk._compress_kernel if v.kernel == "compress" else tk._decompress_kernel
     try:
-        return v.name, cap, compile_variant(fn, v.signature, v.constexprs, cap, v.num_warps)
+        out = compile_variant(fn, v.signature, v.constexprs, cap, v.num_warps)
+        out["figures"] = sass_figures.variant_figures(
+            v.kernel, v.constexprs, v.signature, v.num_warps, v.block,
+            launch_config(v.block).ntiles, out.pop("sass"), out["registers"], out["shared"],
+            cap)
+        return v.name, cap, out
     except Exception as e:  # noqa: BLE001 - reported, the run goes on
         return v.name, cap, {"errors": [f"compile failed: {type(e).__name__}: "
                                         f"{str(e).strip().splitlines()[-1:]}"]}
 
 
 def run(archs: List[int], subset: str, jobs: int, out=sys.stdout,
-        blocks: Optional[List[int]] = None) -> int:
+        blocks: Optional[List[int]] = None, budgets: bool = False) -> int:
     """Check every variant of ``subset`` (or of the block sizes ``blocks``) for every capability
     in ``archs``; print one line per variant and a summary to ``out``. Returns the exit status
-    (0: every rule holds)."""
+    (0: every rule holds; with ``budgets``, and every :func:`.sass_figures.budget` too)."""
     variants = [v for b in blocks for v in block_variants(b)] if blocks else all_variants(subset)
     work = [(v, cap) for cap in archs for v in variants]
     t0 = time.time()
-    failed, regs, spills = 0, 0, 0
+    failed, regs, spills, over = 0, 0, 0, []
     pool = ProcessPoolExecutor(jobs) if jobs > 1 else None
     results = pool.map(_check, work) if pool else map(_check, work)
     try:
-        for name, cap, r in results:
+        for (v, _), (name, cap, r) in zip(work, results):
+            limit = sass_figures.budget(v.kernel, v.name, v.constexprs)
+            if limit is not None and "figures" in r and r["figures"]["per_element"] > limit:
+                over.append(f"sm_{cap} {name}: {r['figures']['per_element']:.2f} > {limit}")
+                if budgets:
+                    r["errors"].append(f"over its budget of {limit} warp-instructions/element")
             ok = not r["errors"]
             failed += not ok
             if "registers" in r:
                 regs = max(regs, r["registers"])
                 spills += r["spill_stores"]
+                f = r["figures"]
                 line = (f"sm_{cap} {name}: {r['registers']} registers, {r['spill_stores']} B "
                         f"spill stores, {r['spill_loads']} B spill loads, addresses "
-                        f"{'64-bit' if not r['narrow'] else '32-bit!'}")
+                        f"{'64-bit' if not r['narrow'] else '32-bit!'}; "
+                        f"{f['per_element']:.2f} warp-instructions/element, "
+                        f"{f['warps_per_sm']} warps/SM, issue ceiling {f['ceiling']:.2e} "
+                        f"elements/s ({f['ceiling'] / f['hbm_bound']:.2f}x HBM's)")
             else:
                 line = f"sm_{cap} {name}"
             print(("ok   " if ok else "FAIL ") + line + ("" if ok else f"  <- {r['errors']}"),
@@ -266,6 +297,9 @@ def run(archs: List[int], subset: str, jobs: int, out=sys.stdout,
     print(f"compile_check: {len(work)} variants ({subset if not blocks else blocks}, "
           f"{' '.join(f'sm_{c}' for c in archs)}), {failed} failed, max {regs} registers, "
           f"{spills} B spill stores, {time.time() - t0:.0f} s", file=out, flush=True)
+    print(f"compile_check: {len(over)} variants over their warp-instruction budget "
+          f"({'enforced' if budgets else 'reported; --budgets enforces'})"
+          + "".join(f"\n  {o}" for o in over), file=out, flush=True)
     return 1 if failed else 0
 
 
@@ -281,6 +315,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="only these block sizes (instead of the subset's)")
     p.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 8),
                    help="parallel compile processes")
+    p.add_argument("--budgets", action="store_true",
+                   help="fail a variant over its warp-instructions-per-element budget")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("unset TRITON_INTERPRET: the check compiles the kernels for GPUs")
@@ -293,7 +329,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not re.fullmatch(r"sm_\d+a?", s):
             p.error(f"--arch {s}: expected sm_80, sm_90, ...")
         archs.append(int(s[3:].rstrip("a")))
-    return run(archs, a.subset, max(1, a.jobs), blocks=a.blocks)
+    return run(archs, a.subset, max(1, a.jobs), blocks=a.blocks, budgets=a.budgets)
 
 
 if __name__ == "__main__":

@@ -136,8 +136,9 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
     g = g.reshape(-1).contiguous()
     if g.dtype not in (torch.float32, torch.bfloat16):
         g = g.float()
-    # zeros: the wire elements no block covers (alignment, a shorter shard's end) are zero codes
-    payload = torch.zeros(table.padded_numel * bits // 8, dtype=torch.uint8)
+    # zeros only where some wire elements no block covers (alignment, a shorter shard's end):
+    # they are zero codes; the kernel writes every other byte
+    payload = table.payload_alloc(bits)(table.padded_numel * bits // 8, dtype=torch.uint8)
     scales = torch.empty(table.nblocks, dtype=torch.float32)
     err_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None
     buf_sq = torch.zeros((), dtype=torch.float64) if want_err_sq else None

@@ -211,8 +211,10 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
     g = g.reshape(-1)
     if not g.is_contiguous():
         g = g.contiguous()
-    # zeros: the wire elements no block covers (alignment, a shorter shard's end) are zero codes
-    payload = torch.zeros(table.padded_numel * bits // 8, dtype=torch.uint8, device=dev)
+    # zeros only where some wire elements no block covers (alignment, a shorter shard's end):
+    # they are zero codes; the kernel writes every other byte
+    payload = table.payload_alloc(bits)(table.padded_numel * bits // 8, dtype=torch.uint8,
+                                        device=dev)
     scales = torch.empty(table.nblocks, dtype=torch.float32, device=dev)
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     errsq = torch.empty(table.nblocks, dtype=torch.float32, device=dev) if want_err_sq else flag

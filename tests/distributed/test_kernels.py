@@ -505,12 +505,21 @@ def _same_bits(a, b):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("impl,seeds", [("cpu", range(150)), pytest.param(
     "triton", range(24), marks=TRITON_MARKS)])
-def test_compress_randomized_differential(impl, seeds):
+def test_compress_randomized_differential(impl, seeds, monkeypatch):
     """Codes, scales (bit patterns: -0.0, denormals) and the stored error buffer equal the
     reference's over random layouts and value families, both grids (--loco-grid), reset steps
     and beta 0; in a non-finite step the bad block's kept error too, but not the payload: the codes of a NaN block are not
     defined (the reference converts NaN to int8). Triton under the interpreter skips bf16 denormals: the interpreter's
-    bf16 -> fp32 conversion flushes them (a GPU's ``cvt.f32.bf16`` is exact)."""
+    bf16 -> fp32 conversion flushes them (a GPU's ``cvt.f32.bf16`` is exact). A payload the
+    kernels allocate without zero-fill (``BlockTable.dense``) starts as 0xA5 bytes here: a byte
+    the kernel does not write shows."""
+    real = kernels.BlockTable.payload_alloc
+
+    def poisoned(self, bits):
+        alloc = real(self, bits)
+        return alloc if alloc is torch.zeros else (
+            lambda *a, **k: torch.empty(*a, **k).fill_(0xA5))
+    monkeypatch.setattr(kernels.BlockTable, "payload_alloc", poisoned)
     for seed in seeds:
         case = _random_case(seed)
         if impl == "triton" and tk_interpret() and case["dtype"] == torch.bfloat16 \

@@ -397,3 +397,19 @@ def test_step_memory_counts_bucket_groups():
     assert step_memory(cfg, buckets, overlap=True, groups=[3]).transient == sum(wire)
     with pytest.raises(ValueError, match=r"groups \[2, 2\] do not split the 3 buckets"):
         step_memory(cfg, buckets, overlap=True, groups=[2, 2])
+
+
+def test_payload_zero_filled_only_where_blocks_leave_gaps():
+    """No zero-fill of a payload the kernels overwrite (issue 36): a bucket whose blocks tile
+    the wire is allocated with ``torch.empty`` at 4 and 8 bits; an odd-length block (its last
+    byte's high nibble is written as a zero code) only at 4; a shard padded to the longest one
+    keeps the zero-fill."""
+    from loco_megatron.kernels.block_table import block_table
+    from loco_megatron.layout import BucketLayout
+
+    dense = block_table(BucketLayout.build(1024, 2, 256), "cpu")
+    assert dense.dense == {4, 8} and dense.payload_alloc(8) is torch.empty
+    odd = block_table(BucketLayout.build(600, 2, 256, (3, 303)), "cpu")  # 3 + 297, 3 + 297
+    assert odd.dense == {4} and odd.payload_alloc(8) is torch.zeros
+    padded = block_table(BucketLayout.build(600, 2, 256, (3,)), "cpu")  # 3 + 297 | 300
+    assert padded.dense == frozenset() and padded.payload_alloc(4) is torch.zeros
