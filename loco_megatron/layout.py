@@ -186,22 +186,35 @@ class BucketLayout:
         return (self.world * self.padded_shard - self.numel) / self.numel if self.numel else 0.0
 
 
+@per_model
+def _indices(segs: Tuple[Segment, ...], base_src: int, base_dst: int,
+             device: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(source, destination)`` element indices of ``segs`` (offsets less the bases),
+    on ``device``: built once per segments and device (loco_megatron/caches.py), so a gather or
+    scatter is a fixed number of launches whatever the number of segments (parameters)."""
+    src = [torch.arange(s - base_src, s - base_src + n) for s, _, n in segs]
+    dst = [torch.arange(d - base_dst, d - base_dst + n) for _, d, n in segs]
+    if not segs:
+        src = dst = [torch.zeros(0, dtype=torch.int64)]
+    return torch.cat(src).to(device), torch.cat(dst).to(device)
+
+
 def _gather(tables, size: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A new ``[size]`` tensor in ``dtype`` holding ``x``'s segments at their destinations
-    (zeros elsewhere); ``tables``: per shard, ``(source, destination, length)``."""
+    (zeros elsewhere); ``tables``: per shard, ``(source, destination, length)``. Four
+    launches (zeros, index_select, cast, index_copy_), whatever the segments."""
+    src, dst = _indices(tuple(s for segs in tables for s in segs), 0, 0, str(x.device))
     out = torch.zeros(size, dtype=dtype, device=x.device)
-    for segs in tables:
-        for src, dst, n in segs:
-            out[dst:dst + n] = x[src:src + n]
-    return out
+    return out.index_copy_(0, dst, x.index_select(0, src).to(dtype))
 
 
 def _scatter_shard(segs, base_src: int, base_dst: int, values: torch.Tensor,
                    out: torch.Tensor) -> None:
     """One shard's segments of ``values`` (destination offsets from ``base_dst``) into ``out``
-    (source offsets from ``base_src``), cast to ``out.dtype``."""
-    for src, dst, n in segs:
-        out[src - base_src:src - base_src + n] = values[dst - base_dst:dst - base_dst + n]
+    (source offsets from ``base_src``), cast to ``out.dtype``: three launches (index_select,
+    cast, index_copy_), whatever the segments."""
+    src, dst = _indices(tuple(segs), base_src, base_dst, str(values.device))
+    out.index_copy_(0, src, values.index_select(0, dst).to(out.dtype))
 
 
 @per_model

@@ -169,7 +169,7 @@ def issue_ceiling(instructions_per_element: float, arch: Arch) -> float:
     return arch.sms * ISSUE_PER_CLOCK * arch.clock_hz / instructions_per_element
 
 
-#: warp-instruction budgets per element (issue 36): the default gradient compress (4 bits, int8
+#: warp-instruction budgets per element: the default gradient compress (4 bits, int8
 #: error) and the gradient decompress per received code, at which they are memory-bound on
 #: H100 and H200
 BUDGETS = {"compress": 1.2, "decompress": 0.6}

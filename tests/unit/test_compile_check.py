@@ -152,7 +152,7 @@ def test_ci_subset_compiles_for_sm80_and_sm90():
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " 0 failed" in summary and "0 B spill stores" in summary, summary
     # every variant's static figures (warp-instructions per element, occupancy, ceiling), and
-    # the budget summary (reported: the kernels do not reach issue 36's budgets yet)
+    # the budget summary (reported: the compress kernels do not reach their budget yet)
     variants = [x for x in lines if x.startswith("ok   ")]
     assert variants and all(re.search(r"; \d+\.\d\d warp-instructions/element, \d+ warps/SM, "
                                       r"issue ceiling \S+ elements/s", x) for x in variants)

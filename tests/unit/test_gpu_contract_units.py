@@ -400,7 +400,7 @@ def test_step_memory_counts_bucket_groups():
 
 
 def test_payload_zero_filled_only_where_blocks_leave_gaps():
-    """No zero-fill of a payload the kernels overwrite (issue 36): a bucket whose blocks tile
+    """No zero-fill of a payload the kernels overwrite: a bucket whose blocks tile
     the wire is allocated with ``torch.empty`` at 4 and 8 bits; an odd-length block (its last
     byte's high nibble is written as a zero code) only at 4; a shard padded to the longest one
     keeps the zero-fill."""
@@ -413,3 +413,44 @@ def test_payload_zero_filled_only_where_blocks_leave_gaps():
     assert odd.dense == {4} and odd.payload_alloc(8) is torch.zeros
     padded = block_table(BucketLayout.build(600, 2, 256, (3,)), "cpu")  # 3 + 297 | 300
     assert padded.dense == frozenset() and padded.payload_alloc(4) is torch.zeros
+
+
+def test_lane_and_padded_copies_launch_a_fixed_number_of_ops():
+    """The ``--loco-full-precision-1d`` lane and the wire-layout copies of the hierarchical
+    16-bit stage (``BucketLayout.to_lane``/``from_lane_shard``, ``to_padded``/
+    ``from_padded_shard``) run the same number of torch ops for 4 and for 40 parameters
+    (launches per bucket independent of the parameter count). Planted: the former
+    slice-per-segment loop in the scatter (33 ops for 4 parameters, 177 for 40)."""
+    from torch.overrides import TorchFunctionMode
+
+    from loco_megatron import caches
+    from loco_megatron.layout import BucketLayout
+
+    class Ops(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(params):
+        numel = 2 * 64 * params  # 2 ranks; a 48-element matrix and a 16-element norm each
+        cuts = [c for k in range(0, numel, 64) for c in (k, k + 48)][1:]
+        exact = [(k + 48, k + 64) for k in range(0, numel, 64)]
+        layout = BucketLayout.build(numel, 2, 32, cuts, exact)
+        x = torch.randn(numel)
+        lane, padded = layout.to_lane(x), layout.to_padded(x, torch.float32)  # warm-up: indices
+        counts = []
+        for _ in range(2):
+            with Ops() as mode:
+                lane = layout.to_lane(x)
+                layout.from_lane_shard(lane[:layout.exact_shard], 0, x[:layout.shard])
+                padded = layout.to_padded(x, torch.float32)
+                layout.from_padded_shard(padded[:layout.padded_shard], 0, x[:layout.shard])
+            counts.append(mode.n)
+        caches.clear()
+        return counts[-1]
+
+    assert ops(4) == ops(40)
