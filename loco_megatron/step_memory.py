@@ -18,7 +18,8 @@ allocates, in the order it allocates and frees them:
   its compress, and its receive buffers (the same), allocated before its all-to-alls, both freed
   when megatron drops the bucket's handle after ``finish_grad_sync`` waited on it; the
   decompress's fp32 copy of the shard where the kernel cannot write the output directly (C
-  kernel, output not fp32); the C kernel's fp32 copy of an fp16 bucket during its compress.
+  kernel, output not fp32); the C kernel's fp32 copy of an fp16 bucket during its compress;
+  the bucket's new NaN/Inf count (4 B) beside its last one during its compress.
   With ``overlap_grad_reduce`` megatron launches each bucket group (all its buckets at once)
   from its backward hooks and waits for all of them in ``finish_grad_sync``; LoCo finishes
   (decompresses and frees) each bucket whose all-to-alls have landed before the next group's
@@ -72,7 +73,7 @@ class StepMemory:
 
 
 def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]], *,
-                overlap: bool, device: str = "cuda", fp16: bool = False,
+                overlap: bool, device: str = "cuda", fp16=False,
                 in_flight: Optional[int] = None,
                 groups: Optional[Sequence[int]] = None) -> StepMemory:
     """LoCo's persistent bytes and the peak of one steady step on one rank (module doc).
@@ -80,17 +81,20 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
     Args:
         config: bits, error storage (``config.error_dtype``).
         buckets: ``(layout, grad element size in bytes)`` of every compressed bucket, in the
-            order megatron launches and waits for them (``model.bucket_groups``).
+            order megatron waits for them (``model.bucket_groups``; with several gradient
+            buffers its backward hooks launch them interleaved: the bound does not depend on
+            the launch order).
         overlap: ``overlap_grad_reduce``.
         device: ``"cuda"`` (Triton kernels) or ``"cpu"`` (C kernels, the CPU emulation).
-        fp16: the gradients are fp16 (the C kernel compresses an fp32 copy).
+        fp16: the gradients are fp16 (the C kernel compresses an fp32 copy): one flag for
+            every bucket, or one per bucket.
         in_flight: with overlap, the most bucket groups whose all-to-alls have not landed
             when the next group launches, plus that one
             (:class:`~loco_megatron.collectives.InFlight` finishes and frees the landed ones
             first, once per group launch): 1 when each group lands before the next is ready
             (communication keeps up with backward), None (the default, the upper bound) when
             none lands before the end of backward.
-        groups: buckets per megatron bucket group, in launch order (``model.bucket_groups``;
+        groups: buckets per megatron bucket group, in wait order (``model.bucket_groups``;
             megatron-core's ``partition_buckets``: a group launches all its buckets at once);
             None, one bucket per group (megatron's default for one gradient buffer). Several
             buckets share a group with fp8 parameters and in the model chunks after the first
@@ -98,8 +102,8 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
 
     Raises:
         ValueError: ``--loco-hierarchical`` or ``--loco-full-precision-1d`` (their stage and
-            lane buffers are not in this formula), an unknown ``device``, or ``groups`` that do
-            not add up to the buckets.
+            lane buffers are not in this formula), an unknown ``device``, ``groups`` that do
+            not add up to the buckets, or ``fp16`` flags not one per bucket.
     """
     if config.hierarchical or any(lay.exact_shard for lay, _ in buckets):
         raise ValueError("step_memory covers the flat reduce-scatter without "
@@ -124,7 +128,12 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
     # the decompress's fp32 shard copy (C kernel, output not fp32; Triton writes any
     # contiguous output); the C compress's fp32 copy of an fp16 bucket
     finish_tmp = [4 * lay.shard if cpu and elem != 4 else 0 for lay, elem in buckets]
-    compress_tmp = [4 * lay.numel if cpu and fp16 else 0 for lay, _ in buckets]
+    half = list(fp16) if isinstance(fp16, (list, tuple)) else [bool(fp16)] * len(buckets)
+    if len(half) != len(buckets):
+        raise ValueError(f"fp16 has {len(half)} entries for {len(buckets)} buckets")
+    # during a compress the bucket's new NaN/Inf count (4 B) lives beside its last one
+    compress_tmp = [BUCKET_COUNTER + (4 * lay.numel if cpu and h else 0)
+                    for (lay, _), h in zip(buckets, half)]
     if not overlap:  # each bucket reduced synchronously, one at a time
         groups = [1] * len(buckets)
     window = 1 if not overlap else len(groups) if in_flight is None else max(1, in_flight)
@@ -146,7 +155,10 @@ def step_memory(config: LoCoConfig, buckets: Sequence[Tuple[BucketLayout, int]],
             live += 2 * w
         queue.append(range(first, first + size))
         first += size
-    for ks in queue:  # finish_grad_sync
+    if overlap and in_flight is None and wire:  # the bound, whatever order the hooks launch
+        # in (several buffers interleave): every bucket's buffers, the worst one compressing last
+        peak = max(peak, 2 * sum(wire) + max(c - w for c, w in zip(compress_tmp, wire)))
+    for ks in queue:  # finish_grad_sync (megatron waits in bucket-group order)
         finish(ks)
     return StepMemory(persistent=persistent, peak=persistent + peak, host=host, error=error,
                       tables=tables, spans=spans, counters=counters, wire_all=2 * sum(wire))

@@ -131,8 +131,10 @@ def hot_path(sass: str, kernel: str) -> Tuple[int, int]:
             if (pred and len(skipped) <= COLD_MAX and any(c[2].startswith("CALL") for c in skipped)
                     and not any(c[2].startswith("BRA") for c in skipped)):
                 cold.update(c[0] for c in skipped)  # a slow path's call set-up
-        else:
+        elif target < addr:
             loops.append((target, addr))
+        else:  # nvdisasm's ``BRA`` to itself after the last ``EXIT``: never issued
+            cold.add(addr)
     for i, (a0, a1) in enumerate(loops):
         for b0, b1 in loops[i + 1:]:
             if a0 <= b0 <= a1 or b0 <= a0 <= b1:

@@ -202,14 +202,14 @@ def _wrap_ddp_init(orig):
         log_buffers(chunk, state.config, buffers)
         if not state.active:
             return
-        launch = {}  # the compressed buckets per bucket group, in megatron's launch order
+        launch = {}  # the compressed buckets per bucket group, in the order megatron waits
         for group, bucket, layout in compressed:
-            launch.setdefault(id(group), []).append((layout, bucket.grad_data.element_size()))
+            launch.setdefault(id(group), []).append((layout, bucket.grad_data.element_size(),
+                                                     bucket.grad_data.dtype == torch.float16))
         log_chunk_layout(chunk, state.config, buffers,
                          overlap=self.ddp_config.overlap_grad_reduce,
                          kernel_device={"triton": "cuda", "cpu": "cpu"}.get(impl),
-                         launch=list(launch.values()), fp16=any(
-                             b.grad_data.dtype == torch.float16 for _, b, _ in compressed))
+                         launch=list(launch.values()))
         if state.config.hierarchical:  # topology errors (LOCAL_WORLD_SIZE) at start-up
             log_hierarchical_topology(chunk, state.config, [
                 (group.intra_distributed_optimizer_instance_group, layout,

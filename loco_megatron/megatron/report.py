@@ -138,17 +138,17 @@ def log_buffers(chunk: int, config: LoCoConfig, buffers: List[BufferReport]) -> 
 
 def log_chunk_layout(chunk: int, config: LoCoConfig, buffers: List[BufferReport], *,
                      overlap: bool = True, kernel_device: Optional[str] = None,
-                     launch: Optional[List[List[Tuple[BucketLayout, int]]]] = None,
-                     fp16: bool = False) -> None:
+                     launch: Optional[List[List[Tuple[BucketLayout, int, bool]]]] = None
+                     ) -> None:
     """The chunk's totals over its compressed buckets: buckets, elements, bytes per step per
     rank on the wire against stock (both hierarchical stages together under
     ``--loco-hierarchical``), the error state's memory and checkpoint bytes, and LoCo's
     persistent and peak transient memory in a step for this chunk's buckets
     (:func:`loco_megatron.step_memory.step_memory`, flat LoCo with the fused kernels:
     ``kernel_device`` ``"cuda"`` (Triton) or ``"cpu"`` (C); None, the torch reference, prints
-    no memory line). ``launch``: the compressed buckets' ``(layout, grad element size)`` per
-    megatron bucket group, in launch order (``ddp.bucket_groups``); None, one group per bucket
-    in ``buffers``' order. ``fp16``: the gradients are fp16."""
+    no memory line). ``launch``: the compressed buckets' ``(layout, grad element size, fp16)``
+    per megatron bucket group, in the order megatron waits for them (``ddp.bucket_groups``);
+    None, one group per bucket in ``buffers``' order, none fp16."""
     compressed = [b for buf in buffers for b in buf.compressed]
     if not compressed:
         why = ("data-parallel size 1, no gradient is communicated" if all(
@@ -170,9 +170,10 @@ def log_chunk_layout(chunk: int, config: LoCoConfig, buffers: List[BufferReport]
             f"({memory / numel:.3f} B/element), <= {disk} tensor bytes per rank per checkpoint "
             f"({disk / numel:.3f} B/element)")
         if kernel_device is not None and not any(lay.exact_shard for lay in layouts):
-            launch = launch or [[(lay, elem)] for _, lay, elem in compressed]
-            wire = [b for group in launch for b in group]
-            args = dict(overlap=overlap, device=kernel_device, fp16=fp16,
+            launch = launch or [[(lay, elem, False)] for _, lay, elem in compressed]
+            wire = [(lay, elem) for group in launch for lay, elem, _ in group]
+            args = dict(overlap=overlap, device=kernel_device,
+                        fp16=[half for group in launch for _, _, half in group],
                         groups=[len(group) for group in launch])
             bound = step_memory(config, wire, **args)
             least = step_memory(config, wire, in_flight=1, **args)

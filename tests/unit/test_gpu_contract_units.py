@@ -381,7 +381,7 @@ def test_step_memory_counts_bucket_groups():
     """With overlap, a bucket group launches all its buckets before LoCo can finish one: the
     low end (each group landed by the next launch) is the largest group's buffers; groups that
     do not split the buckets are refused. Without overlap, one bucket's buffers, whatever the
-    groups."""
+    groups. The bound holds whatever order megatron's hooks launch the buckets in."""
     from loco_megatron.config import LoCoConfig
     from loco_megatron.layout import BucketLayout
     from loco_megatron.step_memory import step_memory
@@ -397,6 +397,14 @@ def test_step_memory_counts_bucket_groups():
     assert step_memory(cfg, buckets, overlap=True, groups=[3]).transient == sum(wire)
     with pytest.raises(ValueError, match=r"groups \[2, 2\] do not split the 3 buckets"):
         step_memory(cfg, buckets, overlap=True, groups=[2, 2])
+    # the bound does not depend on the order the hooks launch in (an fp16 bucket's fp32 copy on
+    # CPU ranks, first or last); fp16 flags per bucket
+    first, last = (step_memory(cfg, order, overlap=True, device="cpu", fp16=f).transient
+                   for order, f in ((buckets, [True, False, False]),
+                                    (buckets[1:] + buckets[:1], [False, False, True])))
+    assert first == last == sum(wire) + 4 + 4 * 1024 - wire[0] // 2  # wire: both ways
+    with pytest.raises(ValueError, match="fp16 has 2 entries for 3 buckets"):
+        step_memory(cfg, buckets, overlap=True, fp16=[True, False])
 
 
 def test_payload_zero_filled_only_where_blocks_leave_gaps():
