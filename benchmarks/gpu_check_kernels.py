@@ -33,7 +33,7 @@ from loco_megatron.error_buffer import ErrorBuffer
 from loco_megatron.layout import BucketLayout
 from loco_megatron.quantization import dequantize_spans, unpack_codes
 
-from .throughput import BLOCK, WORLD, _setup
+from .throughput import BLOCK, WORLD, _setup, static_ceiling
 
 MiB = 1 << 20
 BITS = 4
@@ -259,7 +259,27 @@ def run_throughput(path, sizes_mib, impl="triton", device="cuda", copy_mib=256):
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
             _write(path, data)
+    if impl == "triton":  # beside the measured figures: the compile check's issue ceiling
+        data["static_ceiling"] = static_ceilings(device)
+        _write(path, data)
     return data
+
+
+def static_ceilings(device, capability=None):
+    """``{"arch", dtype name: {"compress_GBps", "decompress_GBps"}}``: the static issue ceiling
+    (:func:`benchmarks.throughput.static_ceiling`, AVG decompress) for ``device``'s
+    capability (``capability`` overrides it), or ``{"error": why}``."""
+    try:
+        if capability is None:
+            major, minor = torch.cuda.get_device_capability(torch.device(device))
+            capability = 10 * major + minor
+        out = {"arch": f"sm_{capability}"}
+        for name, dtype in DTYPES.items():
+            c, d = static_ceiling(dtype, capability, average=True)
+            out[name] = {"compress_GBps": c, "decompress_GBps": d}
+        return out
+    except Exception as exc:  # noqa: BLE001 - reported: no Triton, an architecture unknown
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def run_correctness(path, impl="triton", device="cuda"):

@@ -196,6 +196,22 @@ def render_throughput(d: Dict) -> List[str]:
                   f"{frac(r.get('decompress_traffic_GBps'))} | "
                   f"{_f(r.get('compress_first_call_s'), '.2f')} / "
                   f"{_f(r.get('decompress_first_call_s'), '.2f')} |")
+    ceiling = d.get("static_ceiling") or {}
+    if ceiling.get("error"):
+        md.append(f"\nStatic issue ceiling: not computed ({ceiling['error']})")
+    elif ceiling:
+        parts = []
+        for dtype in ("float32", "bfloat16"):
+            c = ceiling.get(dtype) or {}
+            best = max((r for r in d.get("rows", []) if r["dtype"] == dtype),
+                       key=lambda r: r["MiB"], default=None)
+            got = (f" (measured at {best['MiB']} MiB: {_f(best['compress_GBps'] / c['compress_GBps'])}"
+                   f" / {_f(best['decompress_GBps'] / c['decompress_GBps'])} of it)"
+                   if best and c else "")
+            parts.append(f"{dtype} compress {_f(c.get('compress_GBps'), '.0f')} GB/s, "
+                         f"decompress {_f(c.get('decompress_GBps'), '.0f')} GB/s{got}")
+        md.append(f"\nStatic issue ceiling ({ceiling.get('arch')}, the compile check's "
+                  f"warp-instructions per element; docs/kernels.md): " + "; ".join(parts) + ".")
     for e in d.get("errors", []):
         md.append(f"\nNot measured: {e}")
     return md

@@ -65,6 +65,29 @@ def copy_bandwidth(numel, device, min_time):
     return 2 * x.numel() * 4 / t.median / 1e9
 
 
+def static_ceiling(dtype: torch.dtype, capability: int, average: bool = False):
+    """``(compress, decompress)`` GB/s of gradient (the unit :func:`measure` reports) at the
+    issue ceiling of the Triton variants :func:`measure` launches, compiled for
+    ``sm_<capability>`` (no GPU needed; ``loco_megatron.kernels.sass_figures``): the figure a
+    measured one can reach at most while the kernel is issue-bound. ``average``: the
+    decompress divides by the DP size (AVG, as benchmarks/gpu_check.py measures it)."""
+    from loco_megatron.kernels import sass_figures, triton_kernels as tk
+    from loco_megatron.kernels.compile_check import compile_variant
+    from loco_megatron.kernels.launch import launch_config
+    from loco_megatron.kernels.variants import _compress, _decompress
+
+    name = str(dtype).split(".")[1].replace("float32", "fp32").replace("bfloat16", "bf16")
+    out = []
+    for v, fn in ((_compress(BLOCK, 4, name, "symmetric", "int8", True, False),
+                   tk._compress_kernel), (_decompress(BLOCK, 4, name, average), tk._decompress_kernel)):
+        r = compile_variant(fn, v.signature, v.constexprs, capability, v.num_warps)
+        f = sass_figures.variant_figures(v.kernel, v.constexprs, v.signature, v.num_warps,
+                                         BLOCK, launch_config(BLOCK).ntiles, r.pop("sass"),
+                                         r["registers"], r["shared"], capability)
+        out.append(f["ceiling"] * torch.empty((), dtype=dtype).element_size() / 1e9)
+    return tuple(out)
+
+
 _INTERPRETED = r"""
 import os, sys, time, torch
 os.environ["TRITON_INTERPRET"] = "1"
@@ -115,13 +138,22 @@ def run(quick: bool, workdir: Path) -> Section:
         gcopy = copy_bandwidth(gnumel, "cuda", min_time)
         data["gpu"] = torch.cuda.get_device_name(0)
         data["gpu_copy_GBps"] = gcopy
+        major, minor = torch.cuda.get_device_capability(0)
+        ceilings = []
         for dtype in (torch.float32, torch.bfloat16):
             for impl in ("torch", "triton"):
                 c, d = measure(impl, gnumel, dtype, "cuda", min_time)
                 data[f"gpu/{impl}/{dtype}"] = {"compress_GBps": c, "decompress_GBps": d}
                 rows.append((data["gpu"], impl, str(dtype).split(".")[1], gnumel, c, d,
                              c / gcopy, d / gcopy))
-        gpu_note = f"GPU copy bandwidth (read + write): {gcopy:.0f} GB/s."
+            try:
+                sc, sd = static_ceiling(dtype, 10 * major + minor)
+                data[f"gpu/static_ceiling/{dtype}"] = {"compress_GBps": sc, "decompress_GBps": sd}
+                ceilings.append(f"{str(dtype).split('.')[1]} {sc:.0f} / {sd:.0f} GB/s")
+            except Exception as e:  # noqa: BLE001 - an architecture without figures
+                ceilings.append(f"{str(dtype).split('.')[1]} n/a ({type(e).__name__}: {e})")
+        gpu_note = (f"GPU copy bandwidth (read + write): {gcopy:.0f} GB/s. Triton's static issue "
+                    f"ceiling (compile check, compress / decompress): {'; '.join(ceilings)}.")
     md = [f"4-bit, block {BLOCK}, int8 error buffer, beta 0.8; decompress sums {WORLD} chunks "
           f"(DP {WORLD}). GB/s = gradient elements x gradient dtype bytes / median time. "
           f"CPU copy bandwidth (read + write, 1 thread): {cpu_copy:.1f} GB/s. {gpu_note}", "",

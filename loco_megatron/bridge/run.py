@@ -55,7 +55,6 @@ def pretrain(config, forward_step_func, callbacks=None, loco: LoCoLike = None,
     from .callback import LoCoCallback
 
     install_excepthook()
-    use_node_local_cache()  # TRITON_CACHE_DIR unless set (kernels/cache_dir.py)
     loco_config = as_config(loco)
     if loco_config is not None:  # refusals before anything is changed in this process
         checks.check(config, loco_config, emulated=not torch.cuda.is_available())
@@ -63,8 +62,9 @@ def pretrain(config, forward_step_func, callbacks=None, loco: LoCoLike = None,
     workarounds.apply_needed(emulated)
     if bridge_pretrain is None:
         from megatron.bridge.training.pretrain import pretrain as bridge_pretrain
-    if loco_config is None:
+    if loco_config is None:  # Bridge as shipped: its environment untouched
         return bridge_pretrain(config, forward_step_func, callbacks=callbacks)
+    use_node_local_cache()  # TRITON_CACHE_DIR unless set (kernels/cache_dir.py)
     import loco_megatron
 
     state = loco_megatron.install(loco_config)

@@ -87,13 +87,17 @@ def test_loco_off_refuses_nothing(tmp_path):
 
 def test_triton_cache_node_local_per_job(tmp_path, monkeypatch):
     """Bridge's path points Triton's cache at ``$TMPDIR/loco-triton-<job>`` before Bridge runs
-    (a shared ``~/.triton`` on NFS breaks concurrent compiles); a user's own is kept."""
+    (a shared ``~/.triton`` on NFS breaks concurrent compiles); a user's own is kept; with
+    ``loco=None`` (Bridge as shipped) the environment is left alone."""
     cfg = recipe({"save": str(tmp_path / "ckpt"), "save_interval": 2})
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     seen = []
     run = lambda *a, **k: seen.append(os.environ.get("TRITON_CACHE_DIR"))  # noqa: E731
+    pretrain(cfg, None, loco=None, bridge_pretrain=run)
+    assert seen == [None]
+    seen.clear()
     pretrain(cfg, None, loco={"bits": 16}, bridge_pretrain=run)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/scratch/mine")
     pretrain(cfg, None, loco={"bits": 16}, bridge_pretrain=run)

@@ -448,3 +448,24 @@ def test_kernel_step_command_is_the_workers(monkeypatch, tmp_path, capsys, what)
                                                            what]
     assert gk.main(seen["cmd"][3:]) == 2
     assert "gpu_check_kernels: no CUDA device" in capsys.readouterr().err
+
+
+def test_throughput_prints_the_static_ceiling_beside_measured_figures():
+    """The throughput step states the compile check's issue ceiling beside what it measured
+    (sm_90 here, computed without a GPU); without Triton it says why not."""
+    pytest.importorskip("triton")
+    from benchmarks import gpu_check_kernels as gk
+    from benchmarks.gpu_check_report import render_throughput
+
+    ceiling = gk.static_ceilings("cpu", capability=90)
+    assert ceiling["arch"] == "sm_90" and 0 < ceiling["bfloat16"]["compress_GBps"] < 1e4
+    row = dict(dtype="bfloat16", MiB=64, numel=1 << 25, compress_GBps=400.0,
+               decompress_GBps=900.0, compress_ms=1.0, decompress_ms=1.0)
+    md = "\n".join(render_throughput(dict(rows=[row], copy={"GBps": 3000.0, "bytes": 1 << 28},
+                                          static_ceiling=ceiling, world=8, block=256)))
+    c = ceiling["bfloat16"]["compress_GBps"]
+    assert "Static issue ceiling (sm_90" in md and f"bfloat16 compress {c:.0f} GB/s" in md, md
+    d = ceiling["bfloat16"]["decompress_GBps"]
+    assert f"(measured at 64 MiB: {400.0 / c:.3f} / {900.0 / d:.3f} of it)" in md, md
+    md = "\n".join(render_throughput(dict(rows=[], static_ceiling={"error": "ImportError: x"})))
+    assert "Static issue ceiling: not computed (ImportError: x)" in md
