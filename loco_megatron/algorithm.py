@@ -111,3 +111,26 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
     if average:  # by a tensor: CUDA divides by a Python number through its reciprocal
         reduced /= torch.full((), world, dtype=work, device=reduced.device)
     table.layout.from_wire_chunk(reduced, rank, out.view(-1))
+
+
+def accumulate(out: torch.Tensor, delta: torch.Tensor) -> None:
+    """``out <- RN_out.dtype(out + delta)`` in place (``delta`` fp32 of ``out``'s shape): the
+    weight-difference apply's last step, ``out.float() + delta`` as the fused kernel adds."""
+    if out.dtype == torch.float32:
+        out.add_(delta)
+    else:
+        out.copy_(out.float().add_(delta))
+
+
+def apply_chunks(payload, scales, table, *, bits, out):
+    """The reference of :func:`loco_megatron.kernels.apply_chunks`: decode every chunk of
+    ``table``'s wire (codes times their block's scale) and add it to ``out`` in its dtype."""
+    work = torch.float64 if out.dtype == torch.float64 else torch.float32
+    values = dequantize_spans(unpack_codes(payload, bits), scales, table.spans, work)
+    delta = torch.empty(out.numel(), dtype=work, device=out.device)
+    P, shard = table.padded_shard, table.shard
+    for r in range(table.world):
+        table.layout.from_wire_chunk(values[r * P:(r + 1) * P], r,
+                                     delta[r * shard:(r + 1) * shard])
+    accumulate(out.view(-1), delta)
+

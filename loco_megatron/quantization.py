@@ -1,9 +1,11 @@
 """Blockwise absmax quantizer ``Q_b`` / ``deQ`` and 4-bit packing (torch reference).
 
 LoCo's ``Q_b`` (loco_megatron/algorithm.py, step 2): ``scale = absmax(block) / D`` (at most
-:func:`max_scale`), ``q = clamp(round(x / scale), -2^(b-1), 2^(b-1) - 1)``, round-to-nearest
-(ties to even, as ``torch.round``). The divisor ``D`` (:func:`divisor`) is the grid
-(``--loco-grid``, :data:`~loco_megatron.config.GRIDS`):
+:func:`max_scale`, at least the smallest normal for a nonzero block: :func:`floor_scale`),
+``q = clamp(round(x * r), -2^(b-1), 2^(b-1) - 1)`` with ``r`` the block's reciprocal scale
+(:func:`reciprocal`: one IEEE division per block, a multiplication per element),
+round-to-nearest (ties to even, as ``torch.round``). The divisor ``D`` (:func:`divisor`) is the
+grid (``--loco-grid``, :data:`~loco_megatron.config.GRIDS`):
 
 * ``symmetric`` (default): ``D = 2^(b-1) - 1`` (7 for 4 bits, 127 for 8): the codes span
   ``[-7, 7]`` in practice (15 levels) and every element is within half a step, ``scale / 2``;
@@ -68,6 +70,39 @@ def max_scale(bits: int, grid: str = "symmetric") -> float:
     return float(s)
 
 
+def reciprocal(safe: torch.Tensor) -> torch.Tensor:
+    """``r = RN(1 / safe)`` per block: the factor the quantizer multiplies each element by
+    (``q = round(x * r)``), so that there is one IEEE division per block instead of one per
+    element, in the torch reference, the C kernel and the Triton kernel alike (bit for bit).
+    Always finite: a nonzero block's scale is at least the dtype's smallest normal
+    (:func:`floor_scale`), and the largest scale's reciprocal is normal.
+
+    Args:
+        safe: ``[nblocks]`` positive scales (a zero scale replaced by 1), fp32 or fp64.
+
+    Returns:
+        ``[nblocks]`` of the same dtype.
+    """
+    return torch.ones((), dtype=safe.dtype, device=safe.device) / safe
+
+
+def floor_scale(scales: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """A nonzero block's scale raised to at least the dtype's smallest normal value
+    (``2^-126`` in fp32): a block of subnormal values (absmax below ``D * 2^-126``) is then
+    quantized on the grid of ``2^-126``, whose reciprocal ``2^126`` is finite and exact, so
+    every element stays within half a step (``2^-127``) and nothing overflows. An all-zero
+    block keeps scale 0; NaN and inf scales are left as they are.
+
+    Args:
+        scales: ``[nblocks]`` ``absmax / D``; amax: ``[nblocks]`` the blocks' absmax.
+
+    Returns:
+        ``[nblocks]``, the same dtype.
+    """
+    tiny = torch.finfo(scales.dtype).tiny
+    return torch.where((amax > 0) & (scales < tiny), tiny, scales)
+
+
 def padded_numel(numel: int, block_size: int) -> int:
     """``numel`` rounded up to a whole number of blocks."""
     return -(-numel // block_size) * block_size
@@ -105,13 +140,15 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block_size: int, grid: str = 
     # IEEE division by a tensor, not by a Python number: CUDA computes tensor / CPU scalar as a
     # multiplication by the fp32 reciprocal (about half of all 4-bit scales one ulp off the
     # division the fused kernels do; loco_megatron/kernels promises them bit for bit)
-    scales = xb.abs().amax(dim=1) / torch.full((), divisor(bits, grid), dtype=work_dtype,
-                                               device=x.device)
+    amax = xb.abs().amax(dim=1)
+    scales = floor_scale(amax / torch.full((), divisor(bits, grid), dtype=work_dtype,
+                                           device=x.device), amax)
     if work_dtype == torch.float32:  # |x| near FLT_MAX: a scale whose codes decode finite
         smax = max_scale(bits, grid)
         scales = torch.where((scales > smax) & (scales < float("inf")), smax, scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(xb / safe.unsqueeze(1)).clamp_(-(qmax(bits) + 1), qmax(bits))
+    codes = torch.round(xb * reciprocal(safe).unsqueeze(1))
+    codes = codes.clamp_(-(qmax(bits) + 1), qmax(bits))
     return codes.to(torch.int8).view(-1), scales
 
 
@@ -119,7 +156,9 @@ def quantize_spans(x: torch.Tensor, spans: torch.Tensor, bits: int, grid: str = 
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_blockwise` with blocks of any length: block ``b`` is the next
     ``spans[b]`` elements of ``x`` (0 allowed). Same arithmetic per block (absmax, IEEE
-    division by the grid's divisor, the FLT_MAX clamp, round half to even, clamp).
+    division by the grid's divisor, the smallest-normal floor and the FLT_MAX clamp of the
+    scale, multiplication by its
+    :func:`reciprocal` scale, round half to even, clamp).
 
     Args:
         x: 1-D float tensor ``[n]``; spans: int64 ``[nblocks]`` summing to ``n``.
@@ -134,12 +173,14 @@ def quantize_spans(x: torch.Tensor, spans: torch.Tensor, bits: int, grid: str = 
     spans = spans.to(x.device)
     xw = x.to(work)
     amax = torch.segment_reduce(xw.abs(), "max", lengths=spans, unsafe=True, initial=0.0)
-    scales = amax / torch.full((), divisor(bits, grid), dtype=work, device=x.device)
+    scales = floor_scale(amax / torch.full((), divisor(bits, grid), dtype=work,
+                                           device=x.device), amax)
     if work == torch.float32:
         smax = max_scale(bits, grid)
         scales = torch.where((scales > smax) & (scales < float("inf")), smax, scales)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(xw / safe.repeat_interleave(spans, output_size=x.numel()))
+    per = reciprocal(safe).repeat_interleave(spans, output_size=x.numel())
+    codes = torch.round(xw * per)
     return codes.clamp_(-(qmax(bits) + 1), qmax(bits)).to(torch.int8), scales
 
 

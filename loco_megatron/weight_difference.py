@@ -150,23 +150,19 @@ def encode_difference(impl: str, diff: torch.Tensor, layout: BucketLayout, rank:
 
 def apply(impl: str, target: torch.Tensor, payload: torch.Tensor, scales: torch.Tensor,
           layout: BucketLayout, rank: int, bits: int) -> None:
-    """Step 4 for shard ``rank``: ``target <- RN_dtype(target + deQ(c))`` in place.
+    """Step 4 for shard ``rank`` alone: ``target <- RN_dtype(target + deQ(c))`` in place (the
+    drift check's copy of the owner's shard; the all-gather applies every shard at once,
+    :func:`all_gather_differences`).
 
     Args:
-        target: ``[layout.shard]`` parameter-dtype view of shard ``rank`` of the bucket's
-            parameters (``held``), on any rank.
+        target: ``[layout.shard]`` contiguous parameter-dtype copy of shard ``rank`` of the
+            bucket's parameters (``held``), on any rank.
         payload, scales: what rank ``rank`` sent (:func:`encode`).
     """
     lay = shard_layouts(layout)[rank]
     table = kernels.block_table(lay, target.device if impl != "torch" else "cpu")
-    delta = torch.empty(lay.shard, dtype=torch.float32, device=target.device)
-    used = lay.padded_shard * bits // 8
-    kernels.decompress_shard(impl, payload[:used], scales[:lay.blocks_per_shard],
-                             table, 0, bits=bits, average=False, out=delta)
-    if target.dtype == torch.float32:
-        target.add_(delta)
-    else:
-        target.copy_(target.float().add_(delta))
+    kernels.apply_chunks(impl, payload[:lay.padded_shard * bits // 8],
+                         scales[:lay.blocks_per_shard], table, bits=bits, out=target)
 
 
 @dataclass
@@ -235,16 +231,19 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
                            layout: BucketLayout, group, async_op: bool, *, impl: str, bits: int,
                            stats: Optional[ParamGatherStats] = None, timers=None):
     """Steps 3-4 for one bucket: all-gather every owner's codes and scales, then apply every
-    rank's difference to ``params``, this rank's own included (in rank order, the same
-    arithmetic on every replica).
+    rank's difference to its shard of ``params`` in one pass (this rank's own included; each
+    element is in exactly one shard, so every replica does the same arithmetic).
 
-    Uses ``torch.distributed.all_gather`` (lists; the seam calls it outside megatron-core's
-    ``_coalescing_manager``); with ``async_op`` the returned
-    :class:`~loco_megatron.collectives.LoCoWork` finishes the apply in ``wait()`` (the handle
-    the bucket group must wait on).
+    The gathers are two ``all_gather_into_tensor`` into ``[world, chunk]`` buffers (codes,
+    scales), and the apply one :func:`loco_megatron.kernels.apply_chunks` over the bucket's
+    flat block table: the number of collectives, kernels and torch ops per bucket does not
+    depend on the DP size (``all_gather`` into a list would copy each rank's tensor out and
+    apply rank by rank). The seam calls it outside megatron-core's ``_coalescing_manager``;
+    with ``async_op`` the returned :class:`~loco_megatron.collectives.LoCoWork` finishes the
+    apply in ``wait()`` (the handle the bucket group must wait on).
 
     Args:
-        params: the bucket's ``param_data`` ``[layout.numel]`` (parameter dtype).
+        params: the bucket's ``param_data`` ``[layout.numel]`` (parameter dtype, contiguous).
         payload, scales: this rank's chunk (:func:`encode`).
         layout: the bucket's layout; group: its DP group.
 
@@ -253,25 +252,23 @@ def all_gather_differences(params: torch.Tensor, payload: torch.Tensor, scales: 
     """
     check_launch(params, "the LoCo parameter all-gather")
     world = dist.get_world_size(group)
-    recv_p = [torch.empty_like(payload) for _ in range(world)]
-    recv_s = [torch.empty_like(scales) for _ in range(world)]
+    recv_p = torch.empty(world * payload.numel(), dtype=payload.dtype, device=payload.device)
+    recv_s = torch.empty(world * scales.numel(), dtype=scales.dtype, device=scales.device)
     comm_timer = step_timer(timers, TIMER_NAMES[1])
     comm_timer.start()
-    works = [dist.all_gather(recv_p, payload, group=group, async_op=async_op),
-             dist.all_gather(recv_s, scales, group=group, async_op=async_op)]
+    works = [dist.all_gather_into_tensor(recv_p, payload, group=group, async_op=async_op),
+             dist.all_gather_into_tensor(recv_s, scales, group=group, async_op=async_op)]
     comm_timer.stop()
     if stats is not None:
         stats.calls += 1
         stats.bytes_sent += (world - 1) * (payload.numel() + 4 * scales.numel())
         stats.stock_bytes += (world - 1) * layout.shard * params.element_size()
+    table = kernels.block_table(layout, params.device if impl != "torch" else "cpu")
 
     def finish():
         timer = step_timer(timers, TIMER_NAMES[2])
         timer.start()
-        flat = params.view(-1)
-        for r in range(world):
-            apply(impl, flat[r * layout.shard:(r + 1) * layout.shard], recv_p[r], recv_s[r],
-                  layout, r, bits)
+        kernels.apply_chunks(impl, recv_p, recv_s, table, bits=bits, out=params.view(-1))
         timer.stop()
 
     return launch(works, finish, comm_timer, async_op)

@@ -143,3 +143,26 @@ def decompress_shard(impl: str, payload: torch.Tensor, scales: torch.Tensor, tab
     """
     _module(impl).decompress_shard(payload, scales, table, rank, bits=bits, average=average,
                                    out=out)
+
+
+def apply_chunks(impl: str, payload: torch.Tensor, scales: torch.Tensor, table: BlockTable, *,
+                 bits: int, out: torch.Tensor) -> None:
+    """Add every rank's decoded chunk to its own shard of ``out``, in place, in one pass: the
+    weight-difference apply (loco_megatron/weight_difference.py, step 4) of a whole bucket,
+    ``out <- RN_dtype(out + deQ(c_r))`` on shard ``r`` for every ``r``.
+
+    Args:
+        impl: ``"torch"``, ``"cpu"`` or ``"triton"``.
+        payload: uint8 ``[world * padded_shard * bits / 8]``: chunk ``r`` what rank ``r`` sent
+            (an ``all_gather_into_tensor`` of every rank's codes).
+        scales: fp32 ``[world * blocks_per_shard]``, gathered alike.
+        table: the bucket's flat :class:`BlockTable` (every block of every shard; blocks of
+            chunk ``r`` are ``r * blocks_per_shard ..``, their wire offsets in chunk ``r``).
+        bits: 4 or 8.
+        out: ``[table.numel]`` contiguous, fp32/bf16/fp16 (the bucket's ``param_data``).
+
+    The number of kernels and torch ops does not depend on ``world``; the Triton kernel reads
+    the codes and ``out`` and writes ``out`` once (4.5 B per bf16 element at 4 bits).
+    """
+    _module(impl).apply_chunks(payload, scales, table, bits=bits, out=out)
+

@@ -2,6 +2,7 @@
 
     python -m loco_megatron.kernels.compile_check [--arch sm_80 sm_90] [--subset all|ci]
                                                   [--blocks N ...] [--jobs N] [--budgets]
+                                                  [--guards]
 
 Each variant of :mod:`.variants` (compress, decompress, the weight difference's; 4/8 bits;
 fp32/bf16/fp16; both grids; the block sizes listed there; arguments typed as Triton types them
@@ -27,7 +28,10 @@ spills; the exit status is 1 when any variant breaks a rule:
 Each line also gives the variant's static performance figures (:mod:`.sass_figures`, from its
 SASS): warp-instructions per element, warps per SM and the issue ceiling in elements/s against
 what HBM allows. The summary lists the variants over their budget
-(:data:`.sass_figures.BUDGETS`); ``--budgets`` makes that a failure. Variants are compiled
+(:data:`.sass_figures.BUDGETS`: the default block size's gradient compress and decompress);
+``--budgets`` makes that a failure. ``--guards`` fails the same variants over the limits CI
+enforces (:data:`.sass_figures.GUARDS`: the budget where it is met, else today's figure plus
+3%, so that no change makes a kernel issue more). Variants are compiled
 with the 16-byte divisibility hint Triton gives aligned pointers at launch.
 
 The full run (default) takes minutes (``--jobs`` processes compile in parallel); ``--subset ci``
@@ -256,14 +260,16 @@ def _check(job: Tuple[Variant, int]) -> Tuple[str, int, dict]:
 
 
 def run(archs: List[int], subset: str, jobs: int, out=sys.stdout,
-        blocks: Optional[List[int]] = None, budgets: bool = False) -> int:
+        blocks: Optional[List[int]] = None, budgets: bool = False, guards: bool = False
+        ) -> int:
     """Check every variant of ``subset`` (or of the block sizes ``blocks``) for every capability
     in ``archs``; print one line per variant and a summary to ``out``. Returns the exit status
-    (0: every rule holds; with ``budgets``, and every :func:`.sass_figures.budget` too)."""
+    (0: every rule holds; with ``budgets``, every :func:`.sass_figures.budget` too; with
+    ``guards``, every :func:`.sass_figures.guard`)."""
     variants = [v for b in blocks for v in block_variants(b)] if blocks else all_variants(subset)
     work = [(v, cap) for cap in archs for v in variants]
     t0 = time.time()
-    failed, regs, spills, over = 0, 0, 0, []
+    failed, regs, spills, over, past = 0, 0, 0, [], []
     pool = ProcessPoolExecutor(jobs) if jobs > 1 else None
     results = pool.map(_check, work) if pool else map(_check, work)
     try:
@@ -273,6 +279,11 @@ def run(archs: List[int], subset: str, jobs: int, out=sys.stdout,
                 over.append(f"sm_{cap} {name}: {r['figures']['per_element']:.2f} > {limit}")
                 if budgets:
                     r["errors"].append(f"over its budget of {limit} warp-instructions/element")
+            cap_ = sass_figures.guard(v.kernel, v.name, v.constexprs)
+            if cap_ is not None and "figures" in r and r["figures"]["per_element"] > cap_:
+                past.append(f"sm_{cap} {name}: {r['figures']['per_element']:.2f} > {cap_}")
+                if guards:
+                    r["errors"].append(f"over its CI guard of {cap_} warp-instructions/element")
             ok = not r["errors"]
             failed += not ok
             if "registers" in r:
@@ -300,6 +311,9 @@ def run(archs: List[int], subset: str, jobs: int, out=sys.stdout,
     print(f"compile_check: {len(over)} variants over their warp-instruction budget "
           f"({'enforced' if budgets else 'reported; --budgets enforces'})"
           + "".join(f"\n  {o}" for o in over), file=out, flush=True)
+    print(f"compile_check: {len(past)} variants over their CI guard "
+          f"({'enforced' if guards else 'reported; --guards enforces'})"
+          + "".join(f"\n  {o}" for o in past), file=out, flush=True)
     return 1 if failed else 0
 
 
@@ -317,6 +331,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="parallel compile processes")
     p.add_argument("--budgets", action="store_true",
                    help="fail a variant over its warp-instructions-per-element budget")
+    p.add_argument("--guards", action="store_true",
+                   help="fail a budgeted variant over the limit CI enforces (GUARDS)")
     a = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         p.error("unset TRITON_INTERPRET: the check compiles the kernels for GPUs")
@@ -329,7 +345,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not re.fullmatch(r"sm_\d+a?", s):
             p.error(f"--arch {s}: expected sm_80, sm_90, ...")
         archs.append(int(s[3:].rstrip("a")))
-    return run(archs, a.subset, max(1, a.jobs), blocks=a.blocks, budgets=a.budgets)
+    return run(archs, a.subset, max(1, a.jobs), blocks=a.blocks, budgets=a.budgets,
+               guards=a.guards)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ..algorithm import accumulate
 from ..quantization import divisor, max_scale
 
 logger = logging.getLogger(__name__)
@@ -176,3 +177,18 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
         raise MemoryError("loco_decompress: out of memory for a block workspace")
     if not direct:
         out.copy_(target.view_as(out))
+
+
+def apply_chunks(payload, scales, table, *, bits, out):
+    """C implementation of :func:`loco_megatron.kernels.apply_chunks`: the C decompress over
+    every block of ``table`` at once (``world == 1``) into an fp32 difference, added to
+    ``out`` by :func:`loco_megatron.algorithm.accumulate` (a fixed number of ops per bucket)."""
+    lib, _ = _load()
+    delta = torch.empty(out.numel(), dtype=torch.float32)  # every element is in one block
+    rc = lib.loco_decompress(_ptr(payload), _ptr(scales), _ptr(table.src), _ptr(table.off),
+                             _ptr(table.length), table.nblocks, 0, 0, 0, 0, 1,
+                             table.block_size, bits, 0, _ptr(delta))
+    if rc < 0:
+        raise MemoryError("loco_decompress: out of memory for a block workspace")
+    accumulate(out.view(-1), delta)
+

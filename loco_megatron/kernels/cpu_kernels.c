@@ -2,8 +2,9 @@
  *
  * Same contract and the same IEEE fp32 operations, in the same order, as the torch reference
  * (loco_megatron/kernels/reference.py): build without -ffast-math and with -ffp-contract=off.
- * Round-half-to-even by the 1.5 * 2^23 trick (exact for |x| < 2^22; the quotients here are at
- * most 128 in magnitude).
+ * Round-half-to-even by the 1.5 * 2^23 trick (exact for |x| < 2^22; the products here are at
+ * most 128 in magnitude, larger ones are clamped). Codes are round(x * r), r the block's
+ * reciprocal scale (quantization.reciprocal): one IEEE division per block.
  */
 #include <float.h>
 #include <math.h>
@@ -27,6 +28,13 @@ static uint32_t absmax_bits(const float *x, int n) {
 static float bits_to_float(uint32_t u) {
   union { uint32_t u; float f; } v = {u};
   return v.f;
+}
+
+/* amax / div, raised to FLT_MIN for a nonzero block (quantization.floor_scale): a finite
+ * reciprocal, exact powers of two for subnormal blocks */
+static float floored(float amax, float div) {
+  const float s = amax / div;
+  return amax > 0.f && s < FLT_MIN ? FLT_MIN : s;
 }
 
 static float clamp_code(float r, float lo, float hi) {
@@ -84,11 +92,12 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int64
     const int bad = nan || amax > FLT_MAX;
     /* qdiv: the grid's divisor (quantization.divisor: qmax symmetric, qmax + 1 full-range);
      * smax: the largest scale whose qdiv * scale is finite (quantization.max_scale) */
-    const float scale = nan ? NAN : (!bad && amax / qdiv > smax ? smax : amax / qdiv);
+    const float s = floored(amax, qdiv);
+    const float scale = nan ? NAN : (!bad && s > smax ? smax : s);
     nonfinite += bad;
-    const float safe = scale > 0.f ? scale : 1.f;
+    const float inv = 1.f / (scale > 0.f ? scale : 1.f); /* quantization.reciprocal */
     scales[b] = scale;
-    for (int i = 0; i < B; i++) q[i] = clamp_code(RNE(h[i] / safe), -qmax - 1.f, qmax);
+    for (int i = 0; i < B; i++) q[i] = clamp_code(RNE(h[i] * inv), -qmax - 1.f, qmax);
     if (err_sq && !bad) { /* 8 independent fp32 lanes (vectorizable), summed in fp64 per block */
       float lane[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       int i = 0;
@@ -133,12 +142,12 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int64
     }
     if (err_int8) {
       const float emax = bits_to_float(absmax_bits(h, B));
-      const float es = emax / 127.f;
-      const float esafe = es > 0.f ? es : 1.f;
+      const float es = floored(emax, 127.f);
+      const float einv = 1.f / (es > 0.f ? es : 1.f);
       escales[b] = es;
       int32_t isum = 0;
       for (int i = 0; i < L; i++) {
-        const int8_t c = (int8_t)clamp_code(RNE(h[i] / esafe), -128.f, 127.f);
+        const int8_t c = (int8_t)clamp_code(RNE(h[i] * einv), -128.f, 127.f);
         ecodes[off + i] = c;
         isum += (int32_t)c * c;
       }

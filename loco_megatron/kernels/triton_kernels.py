@@ -6,10 +6,12 @@ elements (the two nibbles of a packed byte), ``ntiles`` tiles per block (:mod:`.
 chosen by block size, so that no block size spills registers; helpers in
 :mod:`.triton_tiles`). Every address computed from a runtime size is 64-bit (a launch passes
 ints below 2^31 as i32). Bit-exact with the torch reference (:mod:`loco_megatron.algorithm`):
-IEEE division (``div_rn``; Triton's default fp32 ``/`` is approximate on GPUs), no FMA
-contraction (``enable_fp_fusion=False``), round-half-to-even by the 1.5 * 2^23 trick, and NaN
-handled explicitly (``max`` may drop NaN). A non-finite block keeps its previous error (stores
-of the old codes/scale or values; zero on a reset step) and is counted in a device counter,
+one IEEE division (``div_rn``; Triton's default fp32 ``/`` is approximate on GPUs) per block
+for its scale and its reciprocal, a multiplication per element, no FMA contraction
+(``enable_fp_fusion=False``), round-half-to-even by the 1.5 * 2^23 trick, and NaN kept by
+integer reductions of the bit patterns (a float ``max`` may drop NaN). A non-finite block
+keeps its previous error (stores of the old codes/scale or values; zero on a reset step) and
+is counted in a device counter,
 without a host sync. GPU contract and its compile check: docs/kernels.md.
 """
 
@@ -51,7 +53,8 @@ def unavailable_reason(tensor: torch.Tensor) -> Optional[str]:
 
 
 if triton is not None:
-    from .triton_tiles import _absmax, _bf16_bits, _emit, _quantize, _store_error_int8, _tile
+    from .triton_tiles import (_bf16_bits, _bits_absmax, _emit, _quantize, _store_error_int8,
+                               _tile, floored, reciprocal)
 
     @triton.jit(do_not_specialize=COMPRESS_NOT_SPECIALIZED)
     def _compress_kernel(g_ptr, src_ptr, off_ptr, len_ptr, nblocks, ecodes_ptr, escales_ptr,
@@ -67,6 +70,7 @@ if triton is not None:
         size compiles to the same code, and a reset step launches the variant of every other
         step (no compile mid-run)."""
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1  # codes in [-QMAX - 1, QMAX] on either grid
+        FULL: tl.constexpr = DIV > QMAX  # the full-range grid (its absmax element is clipped)
         # every address is 64-bit: the block index widens before it is scaled or offset
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < nblocks
@@ -78,74 +82,77 @@ if triton is not None:
             es = tl.load(escales_ptr + rows, mask=rmask & live, other=0.0)
         else:
             es = tl.zeros([ROWS], dtype=tl.float32)
-        if ONE_TILE:  # pass 1: the block's absmax (and NaN)
-            he, ho, ee, eo, ce0, co0, bt, j, me, mo = _tile(
+        if ONE_TILE:  # pass 1: the block's absmax (and NaN), as an fp32 bit pattern
+            he, ho, ee, eo, ce0, co0, bt, j, mp = _tile(
                 g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, 0, live, B,
                 T, INT8_ERR)
-            amax, nan = _absmax(he, ho)
+            abits = _bits_absmax(he, ho)
         else:
-            amax = tl.zeros([ROWS], dtype=tl.float32)
-            nan = tl.zeros([ROWS], dtype=tl.int32)
+            abits = tl.zeros([ROWS], dtype=tl.int32)
             for t in range(ntiles):
-                the, tho, tee, teo, tce0, tco0, tbt, tj, tme, tmo = _tile(
+                the, tho, tee, teo, tce0, tco0, tbt, tj, tmp = _tile(
                     g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, live, B,
                     T, INT8_ERR)
-                tmax, tnan = _absmax(the, tho)
-                amax = tl.maximum(amax, tmax)
-                nan = tl.maximum(nan, tnan)
-        bad = (nan > 0) | (amax > 3.4028234663852886e38)
-        scale = tl.math.div_rn(amax, DIV * 1.0)  # DIV: the grid's divisor (QMAX or QMAX + 1)
-        scale = tl.where(nan > 0, float("nan"), tl.where(~bad & (scale > smax), smax, scale))
-        safe = tl.where(scale > 0, scale, 1.0)[:, None]
+                abits = tl.maximum(abits, _bits_absmax(the, tho))
+        nan = abits > 0x7F800000  # above inf's pattern: a NaN
+        bad = abits >= 0x7F800000
+        amax = abits.to(tl.float32, bitcast=True)
+        scale = floored(amax, DIV * 1.0)  # DIV: the grid's divisor (QMAX or QMAX + 1)
+        scale = tl.where(nan, float("nan"), tl.where(~bad & (scale > smax), smax, scale))
+        inv = reciprocal(tl.where(scale > 0, scale, 1.0))[:, None]
         tl.store(scales_ptr + rows, scale, mask=rmask)
         keep = bad[:, None]  # a non-finite block keeps its previous error (zero after a reset)
         # pass 2: codes, this step's error, the new error (fp32 storage: stored)
         if ONE_TILE:
-            sq, emax, ne, no = _emit(payload_ptr, evalues_ptr, bt, he, ho, ee, eo, j, me, mo,
-                                     scale, safe, keep, beta, omb, QMAX, USE_BETA, BITS,
-                                     INT8_ERR)
+            sq, ebits, ne, no = _emit(payload_ptr, evalues_ptr, bt, he, ho, ee, eo, j, mp,
+                                      scale, inv, keep, beta, omb, QMAX, FULL, USE_BETA, BITS,
+                                      INT8_ERR)
         else:
             sq = tl.zeros([ROWS], dtype=tl.float32)
-            emax = tl.zeros([ROWS], dtype=tl.float32)
+            ebits = tl.zeros([ROWS], dtype=tl.int32)
             for t in range(ntiles):
-                the, tho, tee, teo, tce0, tco0, tbt, tj, tme, tmo = _tile(
+                the, tho, tee, teo, tce0, tco0, tbt, tj, tmp = _tile(
                     g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, live, B,
                     T, INT8_ERR)
-                tsq, tmax, tne, tno = _emit(payload_ptr, evalues_ptr, tbt, the, tho, tee, teo,
-                                            tj, tme, tmo, scale, safe, keep, beta, omb, QMAX,
-                                            USE_BETA, BITS, INT8_ERR)
+                tsq, tbits, tne, tno = _emit(payload_ptr, evalues_ptr, tbt, the, tho, tee, teo,
+                                             tj, tmp, scale, inv, keep, beta, omb, QMAX, FULL,
+                                             USE_BETA, BITS, INT8_ERR)
                 sq += tsq
-                emax = tl.maximum(emax, tmax)
+                ebits = tl.maximum(ebits, tbits)
         if ERRSQ:
             tl.store(errsq_ptr + rows, tl.where(bad, 0.0, sq), mask=rmask)
         if INT8_ERR:  # pass 3: the new error's int8 codes, on its own block scale
-            es2 = tl.math.div_rn(emax, 127.0)
-            esafe = tl.where(es2 > 0, es2, 1.0)[:, None]
+            es2 = floored(ebits.to(tl.float32, bitcast=True), 127.0)
+            einv = reciprocal(tl.where(es2 > 0, es2, 1.0))[:, None]
             if ONE_TILE:
-                csq = _store_error_int8(ecodes_ptr, bt, j, me, mo, ne, no, ce0, co0, esafe,
-                                        keep)
+                csq = _store_error_int8(ecodes_ptr, bt, j, mp, ne, no, ce0, co0, einv, keep)
             else:
-                csq = tl.zeros([ROWS], dtype=tl.float32)
+                csq = tl.zeros([ROWS], dtype=tl.int32)
                 for t in range(ntiles):
-                    the, tho, tee, teo, tce0, tco0, tbt, tj, tme, tmo = _tile(
+                    the, tho, tee, teo, tce0, tco0, tbt, tj, tmp = _tile(
                         g_ptr, ecodes_ptr, evalues_ptr, gsrc, base, es, length, rmask, t, live,
                         B, T, INT8_ERR)
                     tqe, tqo, terre, terro, tne, tno = _quantize(
-                        the, tho, tee, teo, scale, safe, beta, omb, QMAX, USE_BETA)
-                    csq += _store_error_int8(ecodes_ptr, tbt, tj, tme, tmo, tne, tno, tce0,
-                                             tco0, esafe, keep)
+                        the, tho, tee, teo, scale, inv, beta, omb, QMAX, FULL, USE_BETA)
+                    csq += _store_error_int8(ecodes_ptr, tbt, tj, tmp, tne, tno, tce0, tco0,
+                                             einv, keep)
             es2 = tl.where(bad, es, es2)  # a kept block's old scale (zero on a reset step)
             tl.store(escales_ptr + rows, es2, mask=rmask)
             if ERRSQ:  # ||e||^2 of the stored error, per block: scale^2 * sum(codes^2)
-                tl.store(bufsq_ptr + rows, es2 * es2 * csq, mask=rmask)
+                tl.store(bufsq_ptr + rows, es2 * es2 * csq.to(tl.float32), mask=rmask)
         nbad = tl.sum((bad & rmask).to(tl.int32), axis=0)  # the counter's atomic is predicated
-        tl.atomic_add(flag_ptr, nbad, mask=nbad > 0)  # off unless a block was non-finite
+        # off unless a block was non-finite; relaxed: the host reads it after the stream
+        tl.atomic_add(flag_ptr, nbad, mask=nbad > 0, sem="relaxed")
 
     @triton.jit
     def _decompress_kernel(payload_ptr, scales_ptr, out_ptr, src_ptr, off_ptr, len_ptr, nbs,
                            first, out_base, chunk, off_base, world, B: tl.constexpr,
                            T: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr,
-                           AVERAGE: tl.constexpr, OUT_BF16: tl.constexpr):
+                           AVERAGE: tl.constexpr, OUT_BF16: tl.constexpr,
+                           ACCUMULATE: tl.constexpr):
+        """Sum the ``world`` received chunks of blocks ``first ..`` into ``out``; with
+        ``ACCUMULATE``, ``out <- RN(out + sum)`` instead (the weight-difference apply: the
+        output read, added in fp32 and written back in its dtype in the same pass)."""
         # every address is 64-bit: block and rank indices widen before they are scaled
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < nbs
@@ -182,6 +189,14 @@ if triton is not None:
             acc_o = tl.math.div_rn(acc_o, tl.cast(world, tl.float32))
         src = tl.load(src_ptr + mine, mask=rmask, other=0).to(tl.int64) - out_base
         dst = src[:, None]
+        if ACCUMULATE:  # out + sum, the order of the reference's out.float() + delta
+            oe = tl.load(out_ptr + (dst + ev[None, :]), mask=me, other=0)
+            oo = tl.load(out_ptr + (dst + od[None, :]), mask=mo, other=0)
+            if OUT_BF16:  # the bf16 pattern is the high half of its fp32 value
+                oe = ((oe.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+                oo = ((oo.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            acc_e = oe.to(tl.float32) + acc_e
+            acc_o = oo.to(tl.float32) + acc_o
         if OUT_BF16:  # out_ptr is the bf16 output viewed as int16
             ve = _bf16_bits(acc_e)
             vo = _bf16_bits(acc_o)
@@ -256,9 +271,32 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out,
             table.length, nbs, rank * nbs, rank * table.shard, table.padded_shard,
             rank * table.padded_shard, table.world)
     kwargs = dict(B=table.block_size, T=cfg.tile, ROWS=cfg.rows, BITS=bits,
-                  AVERAGE=bool(average), OUT_BF16=bf16, num_warps=cfg.num_warps,
-                  enable_fp_fusion=False)
+                  AVERAGE=bool(average), OUT_BF16=bf16, ACCUMULATE=False,
+                  num_warps=cfg.num_warps, enable_fp_fusion=False)
     launch_keys.note(_decompress_kernel, (), args, kwargs)
     _decompress_kernel[(triton.cdiv(nbs, cfg.rows), cfg.ntiles)](*args, **kwargs)
     if target is not out:
         out.copy_(target)
+
+
+def apply_chunks(payload, scales, table, *, bits, out, launch: Optional[LaunchConfig] = None):
+    """Triton implementation of :func:`loco_megatron.kernels.apply_chunks`: one launch of the
+    decompress kernel over every block of ``table`` (``world == 1``, ``ACCUMULATE``), reading
+    codes and scales, reading and writing ``out`` once.
+
+    Raises:
+        ValueError: ``out`` not contiguous.
+    """
+    if not out.is_contiguous():
+        raise ValueError("apply_chunks writes a contiguous output (a bucket's param_data)")
+    bf16 = out.dtype == torch.bfloat16
+    cfg = _config(table.block_size, launch)
+    nb = table.nblocks
+    args = (payload.view(torch.int8) if bits == 8 else payload, scales,
+            out.view(torch.int16) if bf16 else out, table.src, table.off, table.length, nb,
+            0, 0, 0, 0, 1)
+    kwargs = dict(B=table.block_size, T=cfg.tile, ROWS=cfg.rows, BITS=bits, AVERAGE=False,
+                  OUT_BF16=bf16, ACCUMULATE=True, num_warps=cfg.num_warps,
+                  enable_fp_fusion=False)
+    launch_keys.note(_decompress_kernel, (), args, kwargs)
+    _decompress_kernel[(triton.cdiv(nb, cfg.rows), cfg.ntiles)](*args, **kwargs)

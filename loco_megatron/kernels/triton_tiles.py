@@ -1,7 +1,9 @@
 """``@triton.jit`` helpers of the Triton kernels (:mod:`.triton_kernels`): one tile of
 ``[ROWS, T]`` even and odd elements of ``ROWS`` blocks (the two nibbles of a packed byte) at a
-time. IEEE division (``div_rn``), round-half-to-even by the 1.5 * 2^23 trick, NaN handled
-explicitly: bit-exact with the torch reference (:mod:`loco_megatron.algorithm`)."""
+time. One IEEE division (``div_rn``) per block, a multiplication by its result per element
+(:func:`reciprocal`), round-half-to-even by the 1.5 * 2^23 trick, NaN kept by integer
+reductions of the bit patterns: bit-exact with the torch reference
+(:mod:`loco_megatron.algorithm`)."""
 
 try:
     import triton
@@ -12,14 +14,32 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 if triton is not None:
 
     @triton.jit
-    def _rne(x):
-        return (x + 12582912.0) - 12582912.0
+    def _magic(x):
+        """``t = x + 1.5 * 2^23``: for ``|x| < 2^22`` the float ``t - 1.5 * 2^23`` is ``x``
+        rounded half to even, and ``t``'s bit pattern is ``0x4B400000 + round(x)``: the code's
+        two's complement in its low bits, with no float-to-int conversion."""
+        return x + 12582912.0
 
     @triton.jit
-    def _codes(h, safe, lo: tl.constexpr, hi: tl.constexpr):
-        r = _rne(tl.math.div_rn(h, safe))
-        r = tl.minimum(tl.maximum(r, lo), hi)
-        return tl.where(r == r, r, 0.0)
+    def floored(amax, div):
+        """``amax / div`` (IEEE), raised to FLT_MIN for a nonzero block
+        (:func:`loco_megatron.quantization.floor_scale`)."""
+        s = tl.math.div_rn(amax, div)
+        return tl.where((amax > 0) & (s < 1.1754943508222875e-38), 1.1754943508222875e-38, s)
+
+    @triton.jit
+    def reciprocal(safe):
+        """``RN(1 / safe)`` (:func:`loco_megatron.quantization.reciprocal`): one IEEE
+        division per block, none per element."""
+        return tl.math.div_rn(tl.zeros_like(safe) + 1.0, safe)
+
+    @triton.jit
+    def _bits_absmax(a, b):
+        """Per row, ``max(|a|, |b|)`` as an fp32 bit pattern (int32): an integer reduction
+        (one ``REDUX`` per warp on sm_80+, no shuffle tree), which keeps NaN (a pattern above
+        inf's ``0x7F800000``) where a float ``max`` may drop it."""
+        ab = tl.maximum(tl.abs(a).to(tl.int32, bitcast=True), tl.abs(b).to(tl.int32, bitcast=True))
+        return tl.max(ab, axis=1)
 
     @triton.jit
     def _bf16_bits(x):
@@ -35,7 +55,11 @@ if triton is not None:
         """Tile ``t`` of each row's block: h = g + e of the even and odd elements, the old
         error (values; int8 codes), the tile's wire offsets ``bt`` (int64 ``[ROWS, 1]``: the
         block's ``base`` plus the tile's first element), the pairs ``j`` in the tile and the
-        masks. ``gsrc``/``base``: int64 ``[ROWS, 1]``; ``t`` may be a runtime loop counter: it
+        masks: ``mp`` the pairs whose even element is valid, ``mo`` those whose odd one is.
+        The wire slot after an odd-length block's last element is its own zero padding code
+        (segments start at even offsets), so every wire access of a pair uses ``mp``; only
+        the gradient's odd element (the next block's, or past the bucket's end) needs ``mo``.
+        ``gsrc``/``base``: int64 ``[ROWS, 1]``; ``t`` may be a runtime loop counter: it
         widens to int64 before it offsets an address (and is 32-bit in the masks only).
         ``live``: the stored error is read (a runtime predicate, false on a reset step: the
         old error is then zero without a load, and no variant is compiled for resets)."""
@@ -47,35 +71,41 @@ if triton is not None:
         od = ev + 1
         m = rmask[:, None] & ((t * T + j) < B // 2)[None, :]
         lim = length[:, None] - t * (2 * T)  # valid elements from the tile's first one
-        me = m & (ev[None, :] < lim)  # valid even / odd elements of each block
+        mp = m & (ev[None, :] < lim)  # valid pairs (their even element) / odd elements
         mo = m & (od[None, :] < lim)
-        ge = tl.load(g_ptr + (gsrc + ev[None, :]), mask=me, other=0.0).to(tl.float32)
+        ml = mp & live
+        ge = tl.load(g_ptr + (gsrc + ev[None, :]), mask=mp, other=0.0).to(tl.float32)
         go = tl.load(g_ptr + (gsrc + od[None, :]), mask=mo, other=0.0).to(tl.float32)
         if INT8_ERR:
-            ce0 = tl.load(ecodes_ptr + (bt + ev[None, :]), mask=me & live, other=0)
-            co0 = tl.load(ecodes_ptr + (bt + od[None, :]), mask=mo & live, other=0)
+            ce0 = tl.load(ecodes_ptr + (bt + ev[None, :]), mask=ml, other=0)
+            co0 = tl.load(ecodes_ptr + (bt + od[None, :]), mask=ml, other=0)
             ee = ce0.to(tl.float32) * es[:, None]
             eo = co0.to(tl.float32) * es[:, None]
         else:
             ce0 = tl.zeros_like(ge).to(tl.int8)
             co0 = ce0
-            ee = tl.load(evalues_ptr + (bt + ev[None, :]), mask=me & live, other=0.0)
-            eo = tl.load(evalues_ptr + (bt + od[None, :]), mask=mo & live, other=0.0)
-        return ge + ee, go + eo, ee, eo, ce0, co0, bt, j, me, mo
+            ee = tl.load(evalues_ptr + (bt + ev[None, :]), mask=ml, other=0.0)
+            eo = tl.load(evalues_ptr + (bt + od[None, :]), mask=ml, other=0.0)
+        return ge + ee, go + eo, ee, eo, ce0, co0, bt, j, mp
 
     @triton.jit
-    def _absmax(he, ho):
-        """Per block of a tile: the absmax, and 1 where an element is NaN (``max`` may drop
-        NaN, so it is detected apart)."""
-        amax = tl.maximum(tl.max(tl.abs(he), axis=1), tl.max(tl.abs(ho), axis=1))
-        return amax, tl.max(((he != he) | (ho != ho)).to(tl.int32), axis=1)
-
-    @triton.jit
-    def _quantize(he, ho, ee, eo, scale, safe, beta, omb, QMAX: tl.constexpr,
-                  USE_BETA: tl.constexpr):
-        """Codes of a tile, this step's error and the new (moving-average) error."""
-        qe = _codes(he, safe, -QMAX - 1.0, QMAX * 1.0)
-        qo = _codes(ho, safe, -QMAX - 1.0, QMAX * 1.0)
+    def _quantize(he, ho, ee, eo, scale, inv, beta, omb, QMAX: tl.constexpr,
+                  FULL: tl.constexpr, USE_BETA: tl.constexpr):
+        """Codes of a tile (as ``_magic`` values: float ``te - 1.5 * 2^23`` is the code, the
+        low bits of ``te``'s pattern its two's complement), this step's error and the new
+        (moving-average) error. No clamp on the symmetric grid: ``|h| * inv`` is at most
+        ``D (1 + 3 * 2^-24)`` for a finite block (``inv = RN(1 / RN(absmax / D))``, or the
+        larger FLT_MAX-clamped scale), so its rounding is within ``[-D, D]``; on the
+        full-range grid a positive absmax element rounds to ``D = QMAX + 1`` and is clipped
+        to ``QMAX`` (what the reference's clamp does; the lower end ``-D`` is in range). A
+        non-finite block's codes are unspecified (its scale carries the NaN/inf)."""
+        te = _magic(he * inv)
+        to = _magic(ho * inv)
+        if FULL:
+            te = tl.minimum(te, 12582912.0 + QMAX)
+            to = tl.minimum(to, 12582912.0 + QMAX)
+        qe = te - 12582912.0
+        qo = to - 12582912.0
         erre = he - qe * scale[:, None]
         erro = ho - qo * scale[:, None]
         if USE_BETA:
@@ -84,41 +114,44 @@ if triton is not None:
         else:
             ne = erre
             no = erro
-        return qe, qo, erre, erro, ne, no
+        return te, to, erre, erro, ne, no
 
     @triton.jit
-    def _emit(payload_ptr, evalues_ptr, base, he, ho, ee, eo, j, me, mo, scale, safe, keep,
-              beta, omb, QMAX: tl.constexpr, USE_BETA: tl.constexpr, BITS: tl.constexpr,
-              INT8_ERR: tl.constexpr):
+    def _emit(payload_ptr, evalues_ptr, base, he, ho, ee, eo, j, mp, scale, inv, keep,
+              beta, omb, QMAX: tl.constexpr, FULL: tl.constexpr, USE_BETA: tl.constexpr,
+              BITS: tl.constexpr, INT8_ERR: tl.constexpr):
         """Quantize a tile and pack its codes onto the wire; fp32 error storage: store its new
-        error. Returns per block this step's squared error, the new error's absmax, and the
-        new error."""
-        qe, qo, erre, erro, ne, no = _quantize(he, ho, ee, eo, scale, safe, beta, omb, QMAX,
-                                               USE_BETA)
+        error. Returns per block this step's squared error, the new error's absmax (an fp32
+        bit pattern, :func:`_bits_absmax`), and the new error."""
+        te, to, erre, erro, ne, no = _quantize(he, ho, ee, eo, scale, inv, beta, omb, QMAX,
+                                               FULL, USE_BETA)
         ev = 2 * j
+        be = te.to(tl.int32, bitcast=True)
+        bo = to.to(tl.int32, bitcast=True)
         if BITS == 4:
-            byte = (qe.to(tl.int32) & 15) | ((qo.to(tl.int32) & 15) << 4)
+            byte = (be & 15) | ((bo & 15) << 4)
             # an odd-length block's last byte: its high nibble is a zero code (h = 0 there)
-            tl.store(payload_ptr + (base // 2 + j[None, :]), byte.to(tl.uint8), mask=me)
+            tl.store(payload_ptr + (base // 2 + j[None, :]), byte.to(tl.uint8), mask=mp)
         else:
-            tl.store(payload_ptr + (base + ev[None, :]), qe.to(tl.int8), mask=me)
-            tl.store(payload_ptr + (base + (ev + 1)[None, :]), qo.to(tl.int8), mask=mo)
+            tl.store(payload_ptr + (base + ev[None, :]), be.to(tl.int8), mask=mp)
+            tl.store(payload_ptr + (base + (ev + 1)[None, :]), bo.to(tl.int8), mask=mp)
         if not INT8_ERR:  # a non-finite block keeps its previous error (zero after a reset)
-            tl.store(evalues_ptr + (base + ev[None, :]), tl.where(keep, ee, ne), mask=me)
-            tl.store(evalues_ptr + (base + (ev + 1)[None, :]), tl.where(keep, eo, no), mask=mo)
-        sq = tl.sum(erre * erre, axis=1) + tl.sum(erro * erro, axis=1)
-        emax = tl.maximum(tl.max(tl.abs(ne), axis=1), tl.max(tl.abs(no), axis=1))
-        return sq, emax, ne, no
+            tl.store(evalues_ptr + (base + ev[None, :]), tl.where(keep, ee, ne), mask=mp)
+            tl.store(evalues_ptr + (base + (ev + 1)[None, :]), tl.where(keep, eo, no), mask=mp)
+        sq = tl.sum(erre * erre + erro * erro, axis=1)
+        return sq, _bits_absmax(ne, no), ne, no
 
     @triton.jit
-    def _store_error_int8(ecodes_ptr, base, j, me, mo, ne, no, ce0, co0, esafe, keep):
+    def _store_error_int8(ecodes_ptr, base, j, mp, ne, no, ce0, co0, einv, keep):
         """int8 error storage: a tile's error codes (the kept ones for a non-finite block:
-        ``ce0``/``co0``, zero on a reset step); returns their sum of squares per block."""
+        ``ce0``/``co0``, zero on a reset step); returns their sum of squares per block (int32,
+        an integer reduction: at most ``128^2 * 65536 < 2^31``). No clamp: ``|e| * einv`` is at
+        most ``127 (1 + 3 * 2^-24)`` (``einv = RN(1 / RN(absmax / 127))``), within int8."""
         ev = 2 * j
-        ce = _codes(ne, esafe, -128.0, 127.0)
-        co = _codes(no, esafe, -128.0, 127.0)
-        ce = tl.where(keep, ce0.to(tl.float32), ce)
-        co = tl.where(keep, co0.to(tl.float32), co)
-        tl.store(ecodes_ptr + (base + ev[None, :]), ce.to(tl.int8), mask=me)
-        tl.store(ecodes_ptr + (base + (ev + 1)[None, :]), co.to(tl.int8), mask=mo)
-        return tl.sum(ce * ce, axis=1) + tl.sum(co * co, axis=1)
+        ie = _magic(ne * einv).to(tl.int32, bitcast=True) - 0x4B400000
+        io = _magic(no * einv).to(tl.int32, bitcast=True) - 0x4B400000
+        ie = tl.where(keep, ce0.to(tl.int32), ie)
+        io = tl.where(keep, co0.to(tl.int32), io)
+        tl.store(ecodes_ptr + (base + ev[None, :]), ie.to(tl.int8), mask=mp)
+        tl.store(ecodes_ptr + (base + (ev + 1)[None, :]), io.to(tl.int8), mask=mp)
+        return tl.sum(ie * ie + io * io, axis=1)

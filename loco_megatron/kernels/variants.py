@@ -74,18 +74,19 @@ def _compress(block, bits, dtype, grid, storage, beta, errsq, nblocks="i32",
     return _variant("compress", name, block, sig, consts, cfg.num_warps)
 
 
-def _decompress(block, bits, out, average, sizes="i32", world="i32", tag="grad"):
+def _decompress(block, bits, out, average, sizes="i32", world="i32", tag="grad",
+                accumulate=False):
     cfg = launch_config(block)
     sig = {"payload_ptr": "*u8" if bits == 4 else "*i8", "scales_ptr": "*fp32",
            "out_ptr": "*i16" if out == "bf16" else "*" + FLOATS[out], "src_ptr": "*i64",
            "off_ptr": "*i64", "len_ptr": "*i32", "nbs": sizes, "first": sizes,
            "out_base": sizes, "chunk": sizes, "off_base": sizes, "world": world}
     consts = {"B": block, "T": cfg.tile, "ROWS": cfg.rows, "BITS": bits, "AVERAGE": average,
-              "OUT_BF16": out == "bf16"}
+              "OUT_BF16": out == "bf16", "ACCUMULATE": accumulate}
     if world == "constexpr":
         consts["world"] = 1
     name = (f"decompress {tag} b{bits} out={out} {'avg' if average else 'sum'} sizes={sizes} "
-            f"world={1 if world == 'constexpr' else world}")
+            f"world={1 if world == 'constexpr' else world}{' accumulate' if accumulate else ''}")
     return _variant("decompress", name, block, sig, consts, cfg.num_warps)
 
 
@@ -101,7 +102,8 @@ def block_variants(block: int) -> List[Variant]:
     a runtime flag: the same code); a
     one-block bucket, ``nblocks`` a constexpr), its decompression (fp32/bf16/fp16 outputs,
     SUM/AVG, sizes ``i32`` and ``i64``, ``world == 1`` a constexpr with AVG), and the weight
-    difference's (fp32 error storage, reset, beta 0; decompressed with ``world == 1``)."""
+    difference's (fp32 error storage, reset, beta 0; applied by the decompress kernel with
+    ``world == 1`` accumulating into bf16 and fp32 parameters)."""
     return [
         _compress(block, 4, "bf16", "symmetric", "int8", True, True),
         _compress(block, 8, "fp32", "full-range", "int8", True, True),
@@ -116,8 +118,10 @@ def block_variants(block: int) -> List[Variant]:
         _decompress(block, 8, "fp32", False),
         _decompress(block, 4, "fp16", True, sizes="i64", world="i64"),
         _decompress(block, 8, "bf16", True, world="constexpr"),
-        _decompress(block, 4, "fp32", False, world="constexpr", tag="weightdiff"),
-        _decompress(block, 8, "fp32", False, world="constexpr", tag="weightdiff"),
+        _decompress(block, 4, "bf16", False, world="constexpr", tag="weightdiff",
+                    accumulate=True),
+        _decompress(block, 8, "fp32", False, world="constexpr", tag="weightdiff",
+                    accumulate=True),
     ]
 
 

@@ -561,3 +561,30 @@ def test_weight_difference_bit_exact(impl, bits, dtype):
         wd.apply(impl, got_held, got[0], got[1], layout, rank, bits)
         assert torch.equal(got_held.cpu(), ref_held)
         assert not torch.equal(ref_held, held[part])  # it moved
+
+
+@pytest.mark.parametrize("impl", FUSED)
+@pytest.mark.parametrize("bits,dtype", [(4, torch.bfloat16), (8, torch.float16),
+                                        (4, torch.float32)])
+def test_bucket_apply_equals_the_shard_by_shard_apply(impl, bits, dtype):
+    """The fused apply of a whole bucket (every rank's gathered chunk, one
+    kernels.apply_chunks over the bucket's flat table) gives the reference's shard-by-shard
+    apply bit for bit, on every shard."""
+    from loco_megatron import weight_difference as wd
+
+    dev = _device(impl)
+    layout = BucketLayout.build(LAYOUT["numel"], LAYOUT["world"], 64, LAYOUT["boundaries"])
+    gen = torch.Generator().manual_seed(5)
+    held = (torch.randn(layout.numel, generator=gen) * 0.02).to(dtype)
+    new = held.float() + torch.randn(layout.numel, generator=gen) * 1e-3
+    chunks = [wd.encode("torch", new[r * layout.shard:(r + 1) * layout.shard],
+                        held[r * layout.shard:(r + 1) * layout.shard], layout, r, bits)
+              for r in range(layout.world)]
+    ref = held.clone()
+    for r, (p, s) in enumerate(chunks):
+        wd.apply("torch", ref[r * layout.shard:(r + 1) * layout.shard], p, s, layout, r, bits)
+    got = held.clone().to(dev)
+    table = kernels.block_table(layout, dev if impl != "torch" else "cpu")
+    kernels.apply_chunks(impl, torch.cat([p for p, _ in chunks]).to(dev),
+                         torch.cat([s for _, s in chunks]).to(dev), table, bits=bits, out=got)
+    assert torch.equal(got.cpu(), ref) and not torch.equal(ref, held)

@@ -29,7 +29,7 @@ def _check_compressed(res, steps, world, overlap, bound_steps=None):
     # the first step also re-gathers `held` exactly (stock bytes), then only differences
     assert res["step_bytes"][0] == loco + stock
     assert res["step_bytes"][1:] == [loco] * (steps - 1)
-    assert all(h * (world - 1) == loco for h in res["handed"][1:])  # what all_gather was handed
+    assert all(h * (world - 1) == loco for h in res["handed"][1:])  # what the all-gathers were handed
     sent, stock_total, exact, calls, _ = res["stats"]
     assert sent == stock + steps * loco
     # overlapped: the first forward's all-gather (megatron's own) is the exact one; not

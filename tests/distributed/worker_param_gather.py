@@ -88,11 +88,13 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
                                                                **MODES[mode]))
     sync = state.param_sync if state is not None else None
     handed = []
-    original = dist.all_gather
+    original, original_into = dist.all_gather, dist.all_gather_into_tensor
 
-    def recording(tensor_list, tensor, group=None, async_op=False):
-        handed.append(tensor.numel() * tensor.element_size())
-        return original(tensor_list, tensor, group=group, async_op=async_op)
+    def recorder(fn):
+        def recording(output, tensor, group=None, async_op=False):
+            handed.append(tensor.numel() * tensor.element_size())
+            return fn(output, tensor, group=group, async_op=async_op)
+        return recording
 
     try:
         model, opt = build_gpt(overlap, bucket_size, params_dtype=params_dtype,
@@ -105,7 +107,9 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
             if sync is not None else []
         for step in range(steps):
             before = sync.stats.bytes_sent if sync is not None else 0
-            dist.all_gather = recording  # what the parameter path hands the collectives
+            # what the parameter path hands the collectives
+            dist.all_gather, dist.all_gather_into_tensor = recorder(original), \
+                recorder(original_into)
             try:
                 loss = forward_backward(model, opt)
                 opt.step()  # (not overlapped: this step's gather)
@@ -113,7 +117,7 @@ def train(mode: str, overlap: bool, steps: int, *, params_dtype=torch.float32,
                     for group in model.bucket_groups:
                         group.finish_param_sync(skip_next_bucket_dispatch=True)
             finally:
-                dist.all_gather = original
+                dist.all_gather, dist.all_gather_into_tensor = original, original_into
             step_bytes.append((sync.stats.bytes_sent - before) if sync is not None else 0)
             handed_bytes.append(sum(handed))
             handed.clear()

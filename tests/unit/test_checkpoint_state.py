@@ -215,3 +215,50 @@ def test_which_checkpoint_holds_loco_state(tmp_path):
     assert checkpoint_holds_loco_state(str(load), non_persistent_dir=str(other))
     assert not checkpoint_holds_loco_state(None) and not checkpoint_holds_loco_state(
         str(tmp_path / "missing"))
+
+
+def _per_element_division_int8(e: torch.Tensor):
+    """The int8 error storage as the quantizer wrote it before it multiplied by a reciprocal
+    scale: ``scale = absmax / 127`` (subnormal scales allowed), ``codes = round(e / scale)``,
+    one IEEE division per element."""
+    blocks = e.view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1) / torch.full((), 127.0)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.round(blocks / safe.unsqueeze(1)).clamp_(-128, 127).to(torch.int8)
+    return codes.view(-1), scales
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpu"])
+def test_checkpoint_from_the_per_element_division_quantizer_resumes(kernels):
+    """An error buffer saved by the quantizer of before (codes of ``e / scale``, subnormal
+    scales) loads as it was saved and decodes to the same error, bit for bit (the storage is
+    ``codes * scale`` either way), and training resumes from it: every implementation's next
+    compress equals the reference's from that state (the moving average absorbs the one-ulp
+    difference of the new rounding)."""
+    cfg = LoCoConfig(bits=4, block_size=BLOCK, kernels=kernels)
+    view = _view(cfg)
+    _train(view, range(2))
+    state = _saved(view)
+    gen = torch.Generator().manual_seed(7)
+    old = {}
+    for name, entry in state["exact"].items():
+        e = torch.randn(entry["codes"].numel(), generator=gen) * 1e-3
+        e[:BLOCK] *= 1e-36  # a block of subnormal errors: a subnormal scale, as saved then
+        entry["codes"], entry["scales"] = _per_element_division_int8(e)
+        old[name] = (entry["codes"].clone(), entry["scales"].clone())
+    assert any((s[s > 0] < torch.finfo(torch.float32).tiny).any() for _, s in old.values())
+    resumed, reference = _view(cfg), _view(LoCoConfig(bits=4, block_size=BLOCK, kernels="torch"))
+    for target in (resumed, reference):
+        assert target.load_state_dict(state, "ckpt") == []
+    for ref in resumed.buckets:
+        buf = resumed.state.compensator.errors[ref.key]
+        codes, scales = old[ref.name]
+        assert torch.equal(buf.codes, codes) and torch.equal(buf.scales, scales)
+        decoded = (codes.float().view(-1, BLOCK) * scales.unsqueeze(1)).view(-1)
+        assert torch.equal(buf.get(), decoded)
+    for (p1, s1), (p2, s2) in zip(_train(resumed, [2, 3]), _train(reference, [2, 3])):
+        assert torch.equal(p1, p2) and torch.equal(s1, s2)
+    for key, buf in resumed.state.compensator.errors.items():
+        other = reference.state.compensator.errors[key]
+        assert torch.equal(buf.codes, other.codes) and torch.equal(buf.scales, other.scales)
+        assert torch.isfinite(buf.get()).all()

@@ -142,22 +142,25 @@ def test_checker_fails_on_bad_kernels(tmp_path):
 def test_ci_subset_compiles_for_sm80_and_sm90():
     """Every kernel of the CI subset (compress, decompress, weight difference; the extreme
     block sizes; each dtype, both grids) compiles for sm_80 and sm_90 without spills, with
-    64-bit addresses and IEEE arithmetic."""
+    64-bit addresses and IEEE arithmetic, and the budgeted variants issue no more than their
+    CI guard (sass_figures.GUARDS: the decompress's budget, the compress's figure reached)."""
     proc = subprocess.run(
         [sys.executable, "-m", "loco_megatron.kernels.compile_check", "--arch", "sm_80", "sm_90",
-         "--subset", "ci", "--jobs", "2"],
+         "--subset", "ci", "--jobs", "2", "--guards"],
         env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=1800)
     lines = proc.stdout.strip().splitlines()
     summary = next((x for x in lines if x.startswith("compile_check: ") and " failed" in x), "")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " 0 failed" in summary and "0 B spill stores" in summary, summary
     # every variant's static figures (warp-instructions per element, occupancy, ceiling), and
-    # the budget summary (reported: the compress kernels do not reach their budget yet)
+    # the budget summary (reported: the compress kernel does not reach its budget yet)
     variants = [x for x in lines if x.startswith("ok   ")]
     assert variants and all(re.search(r"; \d+\.\d\d warp-instructions/element, \d+ warps/SM, "
                                       r"issue ceiling \S+ elements/s", x) for x in variants)
     over = next(x for x in lines if "over their warp-instruction budget" in x)
     assert "reported; --budgets enforces" in over, over
+    guarded = next(x for x in lines if "over their CI guard" in x)
+    assert guarded.startswith("compile_check: 0 variants") and "(enforced)" in guarded, guarded
 
 
 def test_unconditional_atomics_are_found():

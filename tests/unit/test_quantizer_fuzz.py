@@ -133,7 +133,9 @@ def test_compress_kernels_properties(values, prev, dtype, bits, block, storage, 
         s = scales.double()[~bad].unsqueeze(1)
         assert torch.isfinite(s).all()
         step = e_new[~bad].double() - beta * tile(e_prev)[~bad].double()
+        # int8: half a step of the error's scale, absmax / 127 floored to FLT_MIN
         store = (e_new[~bad].abs().amax(dim=1, keepdim=True).double() / 254 + 2 * TINY
+                 + torch.finfo(torch.float32).tiny / 2
                  if storage == "int8" else 1e-6 * e_new[~bad].abs().double() + TINY)
         # + the fp32 roundings of q * scale and of h - q * scale: a few ulps of |h|
         slack = (1e-6 * (beta * tile(e_prev)[~bad].abs().double())

@@ -69,13 +69,36 @@ def test_occupancy_and_issue_ceiling():
     assert sf.issue_ceiling(4.0, h100) == pytest.approx(2.6136e11)
 
 
-def test_budgets_apply_to_the_gradient_path():
-    assert sf.budget("compress", "compress grad b4 bf16 ...", {"BITS": 4, "INT8_ERR": True}) == 1.2
-    assert sf.budget("compress", "compress grad b8 fp32", {"BITS": 8, "INT8_ERR": True}) is None
-    assert sf.budget("decompress", "decompress grad b4", {"BITS": 4}) == 0.6
-    assert sf.budget("decompress", "decompress grad b8", {"BITS": 8, "world": 1}) is None
-    assert sf.budget("compress", "compress weightdiff b4", {"BITS": 4, "INT8_ERR": False}) is None
+def test_budgets_apply_to_the_default_gradient_path():
+    b = {"B": sf.DEFAULT_BLOCK}
+    assert sf.budget("compress", "compress grad b4 bf16 ...", {**b, "BITS": 4,
+                                                               "INT8_ERR": True}) == 1.2
+    assert sf.budget("compress", "compress grad b4 bf16 ...", {"B": 2, "BITS": 4,
+                                                               "INT8_ERR": True}) is None
+    assert sf.budget("compress", "compress grad b8 fp32", {**b, "BITS": 8, "INT8_ERR": True}) \
+        is None
+    assert sf.budget("decompress", "decompress grad b4", {**b, "BITS": 4}) == 0.6
+    assert sf.budget("decompress", "decompress grad b8", {**b, "BITS": 8, "world": 1}) is None
+    assert sf.budget("compress", "compress weightdiff b4", {**b, "BITS": 4,
+                                                            "INT8_ERR": False}) is None
+    # CI's guards: the budget where it is met, never looser than 3% over today's figure
+    assert sf.guard("decompress", "decompress grad b4", {**b, "BITS": 4}) == 0.6
+    assert sf.BUDGETS["compress"] <= sf.guard("compress", "compress grad b4", {
+        **b, "BITS": 4, "INT8_ERR": True}) <= 1.65
     # compress bf16, int8 error, 4 bits: 2 + 2 + 0.5 B; decompress 4 bits to bf16 at 8 ranks
     assert sf.hbm_bytes_per_element("compress", {"BITS": 4, "INT8_ERR": True},
                                     {"g_ptr": "*bf16"}) == 4.5
     assert sf.hbm_bytes_per_element("decompress", {"BITS": 4}, {"out_ptr": "*i16"}) == 0.75
+
+
+def test_fused_apply_moves_at_most_6_bytes_per_bf16_element():
+    """The weight-difference apply (kernels.apply_chunks: the decompress kernel accumulating
+    into the parameters) reads 0.5 B of codes and reads and writes 2 B of bf16 parameter per
+    element at 4 bits: 4.5 B, where decode-to-fp32 then float/add/copy moved 28.5 B."""
+    from loco_megatron.kernels.variants import block_variants
+
+    apply = [v for v in block_variants(sf.DEFAULT_BLOCK) if v.kernel == "decompress"
+             and "weightdiff" in v.name and "out=bf16" in v.name]
+    assert len(apply) == 1 and apply[0].constexprs["ACCUMULATE"]
+    assert sf.hbm_bytes_per_element("decompress", apply[0].constexprs, apply[0].signature) \
+        == 4.5 <= 6
