@@ -1,7 +1,7 @@
 """Steps 1 and 2 of the GPU check (docs/gpu_check.md), run in a child process of
 ``benchmarks/gpu_check.py``:
 
-* ``throughput``: Triton compress/decompress GB/s on fp32 and bf16 buckets of the given sizes
+* ``throughput``: Triton compress/decompress/apply GB/s on fp32 and bf16 buckets of the given sizes
   (4-bit, block 256, DP-8 table layout, int8 error buffer, beta 0.8; the buckets of
   ``benchmarks/throughput.py``) and the device's copy bandwidth, CUDA-event timed after warm-up;
 * ``kernels``: the Triton kernels against the torch reference on CUDA tensors (and on CPU):
@@ -33,7 +33,7 @@ from loco_megatron.error_buffer import ErrorBuffer
 from loco_megatron.layout import BucketLayout
 from loco_megatron.quantization import dequantize_spans, unpack_codes
 
-from .throughput import BLOCK, WORLD, _setup, static_ceiling
+from .throughput import BLOCK, WORLD, _setup, static_apply_ceiling, static_ceiling
 
 MiB = 1 << 20
 BITS = 4
@@ -92,13 +92,16 @@ def copy_bandwidth(device, nbytes=256 * MiB, min_s=0.2):
 
 
 def traffic_bytes(table, elem, bits=BITS):
-    """Modelled device-memory bytes of one compress / one decompress call (int8 error buffer):
-    compress reads the gradient, reads and writes the error codes and scales, writes the payload
-    and its scales; decompress reads the ``world`` chunks of one shard and writes the shard."""
+    """Modelled device-memory bytes of one compress / one decompress / one apply call (int8
+    error buffer): compress reads the gradient, reads and writes the error codes and scales,
+    writes the payload and its scales; decompress reads the ``world`` chunks of one shard and
+    writes the shard; the weight-difference apply (``kernels.apply_chunks``) reads every
+    chunk's codes and scales and reads and writes the whole bucket of parameters."""
     padded, nblocks = table.padded_numel, table.nblocks
     compress = table.numel * elem + 2 * padded + 2 * 4 * nblocks + padded * bits // 8 + 4 * nblocks
     decompress = padded * bits // 8 + 4 * nblocks + table.shard * elem
-    return compress, decompress
+    apply = padded * bits // 8 + 4 * nblocks + 2 * table.numel * elem
+    return compress, decompress, apply
 
 
 def measure_bucket(mib, dtype, impl="triton", device="cuda", min_s=0.2):
@@ -121,14 +124,22 @@ def measure_bucket(mib, dtype, impl="triton", device="cuda", min_s=0.2):
                                  out=out)
 
     td, first_d, nd = time_call(decompress, device, min_s)
-    bc, bd = traffic_bytes(table, elem)
+    params = torch.zeros(numel, dtype=dtype, device=device)  # a bucket's param_data
+
+    def apply():  # every rank's chunk of the payload, as the parameter all-gather delivers it
+        kernels.apply_chunks(impl, payload, scales, table, bits=BITS, out=params)
+
+    ta, first_a, na = time_call(apply, device, min_s)
+    bc, bd, ba = traffic_bytes(table, elem)
     nbytes = numel * elem
     return {"dtype": str(dtype).split(".")[1], "MiB": mib, "numel": numel,
             "compress_ms": tc * 1e3, "compress_GBps": nbytes / tc / 1e9,
             "compress_traffic_GBps": bc / tc / 1e9, "compress_first_call_s": first_c,
             "decompress_ms": td * 1e3, "decompress_GBps": nbytes / td / 1e9,
             "decompress_traffic_GBps": bd / td / 1e9, "decompress_first_call_s": first_d,
-            "calls": [nc, nd]}
+            "apply_ms": ta * 1e3, "apply_GBps": nbytes / ta / 1e9,
+            "apply_traffic_GBps": ba / ta / 1e9, "apply_first_call_s": first_a,
+            "calls": [nc, nd, na]}
 
 
 def grid_kwargs():
@@ -266,8 +277,9 @@ def run_throughput(path, sizes_mib, impl="triton", device="cuda", copy_mib=256):
 
 
 def static_ceilings(device, capability=None):
-    """``{"arch", dtype name: {"compress_GBps", "decompress_GBps"}}``: the static issue ceiling
-    (:func:`benchmarks.throughput.static_ceiling`, AVG decompress) for ``device``'s
+    """``{"arch", dtype name: {"compress_GBps", "decompress_GBps", "apply_GBps"}}``: the static
+    issue ceilings (:func:`benchmarks.throughput.static_ceiling`, AVG decompress;
+    :func:`benchmarks.throughput.static_apply_ceiling`) for ``device``'s
     capability (``capability`` overrides it), or ``{"error": why}``."""
     try:
         if capability is None:
@@ -276,7 +288,8 @@ def static_ceilings(device, capability=None):
         out = {"arch": f"sm_{capability}"}
         for name, dtype in DTYPES.items():
             c, d = static_ceiling(dtype, capability, average=True)
-            out[name] = {"compress_GBps": c, "decompress_GBps": d}
+            out[name] = {"compress_GBps": c, "decompress_GBps": d,
+                         "apply_GBps": static_apply_ceiling(dtype, capability)}
         return out
     except Exception as exc:  # noqa: BLE001 - reported: no Triton, an architecture unknown
         return {"error": f"{type(exc).__name__}: {exc}"[:300]}

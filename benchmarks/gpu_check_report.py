@@ -176,15 +176,18 @@ def render_throughput(d: Dict) -> List[str]:
           f"{d.get('error_storage', 'int8')} error buffer, beta {d.get('beta')}; implementation "
           f"`{d.get('impl')}`. GB/s = bucket bytes (elements x gradient dtype bytes) / median "
           f"time (CUDA events, after warm-up); decompress sums the {d.get('world')} received "
-          f"chunks of one shard (AVG). Device copy bandwidth (torch `copy_`, read + write, "
+          f"chunks of one shard (AVG); apply adds every chunk's decoded weight difference to a "
+          f"bucket of parameters of that dtype in place (`kernels.apply_chunks`, the "
+          f"`--loco-param-bits` all-gather's last step). Device copy bandwidth (torch `copy_`, "
+          f"read + write, "
           f"{_f((d.get('copy') or {}).get('bytes', 0) / 2 ** 20, '.0f')} MiB): "
           f"**{_f(copy, '.0f')} GB/s**. \"traffic\" = modelled bytes the call moves "
           f"(gradient, error codes and scales read and written, payload) / time, against copy "
           f"bandwidth: the roofline fraction.", "",
           "| gradient dtype | bucket MiB | elements | compress GB/s | / copy bw | compress "
           "traffic / copy bw | decompress GB/s | / copy bw | decompress traffic / copy bw | "
-          "first calls s (compile) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "apply GB/s | apply traffic / copy bw | first calls s (compile) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def frac(x):
         return _f(x / copy if (x is not None and copy) else None)
@@ -194,8 +197,10 @@ def render_throughput(d: Dict) -> List[str]:
                   f" | {frac(r['compress_GBps'])} | {frac(r.get('compress_traffic_GBps'))} | "
                   f"{_f(r['decompress_GBps'], '.1f')} | {frac(r['decompress_GBps'])} | "
                   f"{frac(r.get('decompress_traffic_GBps'))} | "
+                  f"{_f(r.get('apply_GBps'), '.1f')} | {frac(r.get('apply_traffic_GBps'))} | "
                   f"{_f(r.get('compress_first_call_s'), '.2f')} / "
-                  f"{_f(r.get('decompress_first_call_s'), '.2f')} |")
+                  f"{_f(r.get('decompress_first_call_s'), '.2f')} / "
+                  f"{_f(r.get('apply_first_call_s'), '.2f')} |")
     ceiling = d.get("static_ceiling") or {}
     if ceiling.get("error"):
         md.append(f"\nStatic issue ceiling: not computed ({ceiling['error']})")
@@ -208,8 +213,12 @@ def render_throughput(d: Dict) -> List[str]:
             got = (f" (measured at {best['MiB']} MiB: {_f(best['compress_GBps'] / c['compress_GBps'])}"
                    f" / {_f(best['decompress_GBps'] / c['decompress_GBps'])} of it)"
                    if best and c else "")
+            apply = (f", apply {_f(c.get('apply_GBps'), '.0f')} GB/s"
+                     + (f" (measured: {_f(best['apply_GBps'] / c['apply_GBps'])} of it)"
+                        if best and best.get("apply_GBps") and c.get("apply_GBps") else "")
+                     if c.get("apply_GBps") else "")
             parts.append(f"{dtype} compress {_f(c.get('compress_GBps'), '.0f')} GB/s, "
-                         f"decompress {_f(c.get('decompress_GBps'), '.0f')} GB/s{got}")
+                         f"decompress {_f(c.get('decompress_GBps'), '.0f')} GB/s{got}{apply}")
         md.append(f"\nStatic issue ceiling ({ceiling.get('arch')}, the compile check's "
                   f"warp-instructions per element; docs/kernels.md): " + "; ".join(parts) + ".")
     for e in d.get("errors", []):

@@ -88,6 +88,25 @@ def static_ceiling(dtype: torch.dtype, capability: int, average: bool = False):
     return tuple(out)
 
 
+def static_apply_ceiling(dtype: torch.dtype, capability: int) -> float:
+    """GB/s of parameters (``dtype``: fp32 or bf16) at the issue ceiling of the fused
+    weight-difference apply (``kernels.apply_chunks``: the decompress kernel with ``world ==
+    1``, accumulating into the parameters), compiled for ``sm_<capability>`` without a GPU."""
+    from loco_megatron.kernels import sass_figures, triton_kernels as tk
+    from loco_megatron.kernels.compile_check import compile_variant
+    from loco_megatron.kernels.launch import launch_config
+    from loco_megatron.kernels.variants import _decompress
+
+    name = str(dtype).split(".")[1].replace("float32", "fp32").replace("bfloat16", "bf16")
+    v = _decompress(BLOCK, 4, name, False, world="constexpr", tag="weightdiff", accumulate=True)
+    r = compile_variant(tk._decompress_kernel, v.signature, v.constexprs, capability,
+                        v.num_warps)
+    f = sass_figures.variant_figures(v.kernel, v.constexprs, v.signature, v.num_warps, BLOCK,
+                                     launch_config(BLOCK).ntiles, r.pop("sass"), r["registers"],
+                                     r["shared"], capability)
+    return f["ceiling"] * torch.empty((), dtype=dtype).element_size() / 1e9
+
+
 _INTERPRETED = r"""
 import os, sys, time, torch
 os.environ["TRITON_INTERPRET"] = "1"

@@ -215,7 +215,9 @@ def _results():
     row = {"dtype": "float32", "MiB": 64, "numel": 16777216, "compress_ms": 0.5,
            "compress_GBps": 1000.0, "compress_traffic_GBps": 1625.0,
            "compress_first_call_s": 2.5, "decompress_ms": 0.25, "decompress_GBps": 2000.0,
-           "decompress_traffic_GBps": 1500.0, "decompress_first_call_s": 0.7, "calls": [50, 50]}
+           "decompress_traffic_GBps": 1500.0, "decompress_first_call_s": 0.7, "apply_ms": 0.3,
+           "apply_GBps": 1500.0, "apply_traffic_GBps": 2250.0, "apply_first_call_s": 0.5,
+           "calls": [50, 50, 50]}
     case = {"bits": 4, "dtype": "bfloat16", "error_storage": "int8", "grid": "full-range",
             "steps": 5, "compress": {"vs torch on cuda": "bit-identical",
                                      "vs torch on cpu": "step 3: scales differ at 2 of 160"},
@@ -257,9 +259,10 @@ def test_render_markdown():
     md = rep.render_markdown(_results())
     assert "| GPU | NVIDIA H200 (sm 9.0, 1 visible) |" in md and "| triton | 3.8.0 |" in md
     assert "**4000 GB/s**" in md
-    # GB/s, fractions of copy bandwidth (1000/4000, 1625/4000, 2000/4000, 1500/4000), compile s
+    # GB/s, fractions of copy bandwidth (1000/4000, 1625/4000, 2000/4000, 1500/4000; apply
+    # 2250/4000), compile s
     assert ("| float32 | 64 | 16,777,216 | 1000.0 | 0.250 | 0.406 | 2000.0 | 0.500 | 0.375 | "
-            "2.50 / 0.70 |") in md
+            "1500.0 | 0.562 | 2.50 / 0.70 / 0.50 |") in md
     assert "Not measured: 512 MiB torch.bfloat16: OOM" in md
     assert ("| full-range | 4 | bfloat16 | vs torch on cuda: bit-identical; vs torch on cpu: "
             "step 3: scales differ at 2 of 160 | 79990/80000 / 1.5e-08 / yes | NO |") in md
@@ -329,8 +332,9 @@ def test_throughput_row_on_cpu(tmp_path):
     assert data["errors"] == [] and [r["dtype"] for r in data["rows"]] == ["float32", "bfloat16"]
     r = data["rows"][0]
     assert (r["MiB"], r["numel"], data["impl"]) == (1, 1 << 18, impl)
-    assert r["compress_GBps"] > 0 and r["decompress_GBps"] > 0
+    assert r["compress_GBps"] > 0 and r["decompress_GBps"] > 0 and r["apply_GBps"] > 0
     assert r["compress_GBps"] == pytest.approx((1 << 20) / r["compress_ms"] / 1e6)
+    assert r["apply_traffic_GBps"] > r["apply_GBps"]  # parameters read and written, codes read
 
 
 def _alive(pid, wait_s=5.0):
@@ -468,13 +472,16 @@ def test_throughput_prints_the_static_ceiling_beside_measured_figures():
     ceiling = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ceiling.get("arch") == "sm_90", ceiling
     assert 0 < ceiling["bfloat16"]["compress_GBps"] < 1e4, ceiling
+    assert 0 < ceiling["bfloat16"]["apply_GBps"] < 1e4, ceiling
     row = dict(dtype="bfloat16", MiB=64, numel=1 << 25, compress_GBps=400.0,
-               decompress_GBps=900.0, compress_ms=1.0, decompress_ms=1.0)
+               decompress_GBps=900.0, compress_ms=1.0, decompress_ms=1.0, apply_GBps=500.0)
     md = "\n".join(render_throughput(dict(rows=[row], copy={"GBps": 3000.0, "bytes": 1 << 28},
                                           static_ceiling=ceiling, world=8, block=256)))
     c = ceiling["bfloat16"]["compress_GBps"]
     assert "Static issue ceiling (sm_90" in md and f"bfloat16 compress {c:.0f} GB/s" in md, md
     d = ceiling["bfloat16"]["decompress_GBps"]
     assert f"(measured at 64 MiB: {400.0 / c:.3f} / {900.0 / d:.3f} of it)" in md, md
+    a = ceiling["bfloat16"]["apply_GBps"]
+    assert f"apply {a:.0f} GB/s (measured: {500.0 / a:.3f} of it)" in md, md
     md = "\n".join(render_throughput(dict(rows=[], static_ceiling={"error": "ImportError: x"})))
     assert "Static issue ceiling: not computed (ImportError: x)" in md
