@@ -108,7 +108,8 @@ def _load():
     lib.loco_decompress.restype = ctypes.c_int
     lib.loco_decompress.argtypes = [_P, _P, _P, _P, _P, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, _P]
+                                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_int, _P]
     return lib, None
 
 
@@ -171,8 +172,8 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
     P = table.padded_shard
     rc = lib.loco_decompress(_ptr(payload), _ptr(scales), _ptr(table.src), _ptr(table.off),
                              _ptr(table.length), nbs, rank * nbs, rank * table.shard, P,
-                             rank * P, table.world, table.block_size, bits, int(average),
-                             _ptr(target))
+                             rank * P, table.world, table.block_size, bits, int(average), 0,
+                             0, _ptr(target))
     if rc < 0:
         raise MemoryError("loco_decompress: out of memory for a block workspace")
     if not direct:
@@ -180,15 +181,24 @@ def decompress_shard(payload, scales, table, rank, *, bits, average, out):
 
 
 def apply_chunks(payload, scales, table, *, bits, out):
-    """C implementation of :func:`loco_megatron.kernels.apply_chunks`: the C decompress over
-    every block of ``table`` at once (``world == 1``) into an fp32 difference, added to
-    ``out`` by :func:`loco_megatron.algorithm.accumulate` (a fixed number of ops per bucket)."""
+    """C implementation of :func:`loco_megatron.kernels.apply_chunks`: one call of the C
+    decompress over every block of ``table`` (``world == 1``), accumulating into fp32 or bf16
+    ``out`` in place (fp16: into an fp32 difference, added by
+    :func:`loco_megatron.algorithm.accumulate`).
+
+    Raises:
+        ValueError: ``out`` not contiguous.
+    """
+    if not out.is_contiguous():
+        raise ValueError("apply_chunks writes a contiguous output (a bucket's param_data)")
     lib, _ = _load()
-    delta = torch.empty(out.numel(), dtype=torch.float32)  # every element is in one block
+    fused = out.dtype in (torch.float32, torch.bfloat16)
+    target = out if fused else torch.empty(out.numel(), dtype=torch.float32)
     rc = lib.loco_decompress(_ptr(payload), _ptr(scales), _ptr(table.src), _ptr(table.off),
                              _ptr(table.length), table.nblocks, 0, 0, 0, 0, 1,
-                             table.block_size, bits, 0, _ptr(delta))
+                             table.block_size, bits, 0, int(fused),
+                             int(out.dtype == torch.bfloat16), _ptr(target))
     if rc < 0:
         raise MemoryError("loco_decompress: out of memory for a block workspace")
-    accumulate(out.view(-1), delta)
-
+    if not fused:  # every element is in one block: target is the whole difference
+        accumulate(out.view(-1), target)

@@ -162,14 +162,23 @@ int64_t loco_compress(const void *g, int g_bf16, const int64_t *src, const int64
   return nonfinite;
 }
 
+/* fp32 -> bf16 bit pattern, round half to even, NaN -> the quiet NaN 0x7FC0 (as torch and the
+ * Triton kernels' _bf16_bits) */
+static uint16_t bf16_bits(float x) {
+  union { float f; uint32_t u; } v = {x};
+  if (x != x) return 0x7FC0;
+  return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 /* Sum the world received chunks of one shard: chunk r's block b has its codes at wire element
  * r * chunk + woff[first + b] - off_base (even) and scale scales[r * nbs + b]; fp32 sum in rank
  * order, divided by world when average; the len valid elements written to
- * out[src[first + b] - out_base ...]. */
+ * out[src[first + b] - out_base ...], fp32 (or bf16 bit patterns when out_bf16). With
+ * accumulate, out <- RN(out + sum) instead (the weight-difference apply). */
 int loco_decompress(const uint8_t *payload, const float *scales, const int64_t *src,
                     const int64_t *woff, const int32_t *len, int64_t nbs, int64_t first,
                     int64_t out_base, int64_t chunk, int64_t off_base, int world,
-                    int B, int bits, int average, float *out) {
+                    int B, int bits, int average, int accumulate, int out_bf16, void *out) {
   float *acc = malloc(sizeof(float) * (size_t)B);
   if (!acc) return -1;
   const float w = (float)world;
@@ -194,8 +203,15 @@ int loco_decompress(const uint8_t *payload, const float *scales, const int64_t *
     }
     if (average)
       for (int i = 0; i < L; i++) acc[i] = acc[i] / w;
-    float *dst = out + (src[first + b] - out_base);
-    for (int i = 0; i < L; i++) dst[i] = acc[i];
+    const int64_t at = src[first + b] - out_base;
+    if (out_bf16) {
+      uint16_t *dst = (uint16_t *)out + at;
+      for (int i = 0; i < L; i++)
+        dst[i] = bf16_bits(accumulate ? bits_to_float((uint32_t)dst[i] << 16) + acc[i] : acc[i]);
+    } else {
+      float *dst = (float *)out + at;
+      for (int i = 0; i < L; i++) dst[i] = accumulate ? dst[i] + acc[i] : acc[i];
+    }
   }
   free(acc);
   return 0;
