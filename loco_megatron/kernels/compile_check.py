@@ -279,11 +279,11 @@ def run(archs: List[int], subset: str, jobs: int, out=sys.stdout,
                 over.append(f"sm_{cap} {name}: {r['figures']['per_element']:.2f} > {limit}")
                 if budgets:
                     r["errors"].append(f"over its budget of {limit} warp-instructions/element")
-            cap_ = sass_figures.guard(v.kernel, v.name, v.constexprs)
-            if cap_ is not None and "figures" in r and r["figures"]["per_element"] > cap_:
-                past.append(f"sm_{cap} {name}: {r['figures']['per_element']:.2f} > {cap_}")
+            ceiling = sass_figures.guard(v.kernel, v.name, v.constexprs)
+            if ceiling is not None and "figures" in r and r["figures"]["per_element"] > ceiling:
+                past.append(f"sm_{cap} {name}: {r['figures']['per_element']:.2f} > {ceiling}")
                 if guards:
-                    r["errors"].append(f"over its CI guard of {cap_} warp-instructions/element")
+                    r["errors"].append(f"over its CI guard of {ceiling} warp-instructions/element")
             ok = not r["errors"]
             failed += not ok
             if "registers" in r:

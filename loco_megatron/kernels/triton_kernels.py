@@ -258,23 +258,30 @@ def compress_bucket(g, table, err, *, bits, beta, reset, want_err_sq, grid="symm
     return payload, scales, nonfinite, err_sq, buf_sq
 
 
+def _decompress(payload, scales, out, table, sizes, *, bits, average, accumulate, launch):
+    """Launch the decompress kernel over ``sizes = (blocks, first, out_base, chunk, off_base,
+    world)`` of ``table`` into the contiguous ``out``: the launch both entry points share."""
+    bf16 = out.dtype == torch.bfloat16
+    cfg = _config(table.block_size, launch)
+    args = (payload.view(torch.int8) if bits == 8 else payload, scales,
+            out.view(torch.int16) if bf16 else out, table.src, table.off, table.length) + sizes
+    kwargs = dict(B=table.block_size, T=cfg.tile, ROWS=cfg.rows, BITS=bits,
+                  AVERAGE=bool(average), OUT_BF16=bf16, ACCUMULATE=accumulate,
+                  num_warps=cfg.num_warps, enable_fp_fusion=False)
+    launch_keys.note(_decompress_kernel, (), args, kwargs)
+    _decompress_kernel[(triton.cdiv(sizes[0], cfg.rows), cfg.ntiles)](*args, **kwargs)
+
+
 def decompress_shard(payload, scales, table, rank, *, bits, average, out,
                      launch: Optional[LaunchConfig] = None):
     """Triton implementation of :func:`loco_megatron.kernels.decompress_shard` (same arguments;
     ``launch`` as for :func:`compress_bucket`). Any ``table.world``, 1 included."""
     nbs = table.blocks_per_shard
     target = out if out.is_contiguous() else torch.empty_like(out)
-    bf16 = out.dtype == torch.bfloat16
-    cfg = _config(table.block_size, launch)
-    args = (payload.view(torch.int8) if bits == 8 else payload, scales,
-            target.view(torch.int16) if bf16 else target, table.src, table.off,
-            table.length, nbs, rank * nbs, rank * table.shard, table.padded_shard,
-            rank * table.padded_shard, table.world)
-    kwargs = dict(B=table.block_size, T=cfg.tile, ROWS=cfg.rows, BITS=bits,
-                  AVERAGE=bool(average), OUT_BF16=bf16, ACCUMULATE=False,
-                  num_warps=cfg.num_warps, enable_fp_fusion=False)
-    launch_keys.note(_decompress_kernel, (), args, kwargs)
-    _decompress_kernel[(triton.cdiv(nbs, cfg.rows), cfg.ntiles)](*args, **kwargs)
+    _decompress(payload, scales, target, table,
+                (nbs, rank * nbs, rank * table.shard, table.padded_shard,
+                 rank * table.padded_shard, table.world),
+                bits=bits, average=average, accumulate=False, launch=launch)
     if target is not out:
         out.copy_(target)
 
@@ -289,14 +296,5 @@ def apply_chunks(payload, scales, table, *, bits, out, launch: Optional[LaunchCo
     """
     if not out.is_contiguous():
         raise ValueError("apply_chunks writes a contiguous output (a bucket's param_data)")
-    bf16 = out.dtype == torch.bfloat16
-    cfg = _config(table.block_size, launch)
-    nb = table.nblocks
-    args = (payload.view(torch.int8) if bits == 8 else payload, scales,
-            out.view(torch.int16) if bf16 else out, table.src, table.off, table.length, nb,
-            0, 0, 0, 0, 1)
-    kwargs = dict(B=table.block_size, T=cfg.tile, ROWS=cfg.rows, BITS=bits, AVERAGE=False,
-                  OUT_BF16=bf16, ACCUMULATE=True, num_warps=cfg.num_warps,
-                  enable_fp_fusion=False)
-    launch_keys.note(_decompress_kernel, (), args, kwargs)
-    _decompress_kernel[(triton.cdiv(nb, cfg.rows), cfg.ntiles)](*args, **kwargs)
+    _decompress(payload, scales, out, table, (table.nblocks, 0, 0, 0, 0, 1), bits=bits,
+                average=False, accumulate=True, launch=launch)
