@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import kernels
 from . import step_timers
+from . import streams
 from .caches import per_model
 from .algorithm import sum_in_rank_order
 from .compensator import Compensator
@@ -266,23 +267,29 @@ def compensated_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     layout = checked_layout(output, input, op, group, cfg.block_size, layout)
     world, shard = layout.world, layout.shard
     compress_timer, comm_timer, decompress_timer = (step_timer(timers, n) for n in TIMER_NAMES)
-    compress_timer.start()
-    payload, scales = compensator.compress(key, input.view(-1), layout)
-    compress_timer.stop()
-    recv_payload = torch.empty_like(payload)
-    recv_scales = torch.empty_like(scales)
-    lane = lane_out = None
-    if layout.exact_shard:  # --loco-full-precision-1d: a full-precision lane, same all-to-all
-        lane = layout.to_lane(input.view(-1))
-        lane_out = torch.empty_like(lane)
-    comm_timer.start()
-    works = [
-        dist.all_to_all_single(recv_payload, payload, group=group, async_op=async_op),
-        dist.all_to_all_single(recv_scales, scales, group=group, async_op=async_op),
-    ]
-    if lane is not None:  # (a reduce_scatter_tensor here would join megatron's coalescing)
-        works.append(dist.all_to_all_single(lane_out, lane, group=group, async_op=async_op))
-    comm_timer.stop()
+    # the receive buffers are read on this (the compute) stream: allocated here, before the
+    # switch to the side stream (loco_megatron/streams.py, lifetimes)
+    recv_payload = torch.empty(world * layout.padded_shard * cfg.bits // 8, dtype=torch.uint8,
+                               device=input.device)
+    recv_scales = torch.empty(world * layout.blocks_per_shard, dtype=torch.float32,
+                              device=input.device)
+    lane_out = (torch.empty(world * layout.exact_shard, dtype=input.dtype, device=input.device)
+                if layout.exact_shard else None)
+    with streams.launch_stream(input, enabled=async_op):
+        compress_timer.start()
+        payload, scales = compensator.compress(key, input.view(-1), layout)
+        compress_timer.stop()
+        lane = None
+        if lane_out is not None:  # --loco-full-precision-1d: a full-precision lane
+            lane = layout.to_lane(input.view(-1))
+        comm_timer.start()
+        works = [
+            dist.all_to_all_single(recv_payload, payload, group=group, async_op=async_op),
+            dist.all_to_all_single(recv_scales, scales, group=group, async_op=async_op),
+        ]
+        if lane is not None:  # (a reduce_scatter_tensor here would join megatron's coalescing)
+            works.append(dist.all_to_all_single(lane_out, lane, group=group, async_op=async_op))
+        comm_timer.stop()
     if stats is not None:
         sent = (payload.numel() * payload.element_size() + scales.numel() * 4) // world
         stats.calls += 1

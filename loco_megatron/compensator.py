@@ -174,7 +174,7 @@ class Compensator:
             want_err_sq=self.metrics is not None, grid=cfg.grid)
         count = nonfinite.to(torch.int64)  # added on the device: no host sync
         self._nonfinite = count if self._nonfinite is None else self._nonfinite + count
-        if g.device.type == "cuda":  # megatron's communication stream with several
+        if g.is_cuda:  # LoCo's side stream, or megatron's communication stream with several
             self.nonfinite_stream = torch.cuda.current_stream(g.device)  # optimizer instances
         self.last_nonfinite[key] = nonfinite
         if self.metrics is not None:

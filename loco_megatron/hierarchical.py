@@ -17,10 +17,14 @@ position among the group's ranks on its node). The bucket is worked on in its pa
    ``(bucket key, "inter")``, ``M * P`` elements) go row ``k`` to the ``k``-th rank with local
    index ``l``; each rank sums the ``M`` rows it receives: its padded shard of the full sum.
 
-Both stages are one ``all_to_all_single`` over the DP group itself with zero split sizes for
-non-peers (no process subgroups: ``dist.new_group`` would have to be called by every rank in the
-same order for each of megatron's DP groups - dense and expert, per TP/PP rank). Bytes each rank
-sends per bucket: intra ``(L - 1) * M * P`` elements, inter ``(M - 1) * P`` elements at
+Both stages are one ``all_to_all_single`` over all the DP group's ranks with zero split sizes
+for non-peers (no per-node subgroups: ``dist.new_group`` would have to be called by every rank
+in the same order for each of megatron's DP groups - dense and expert, per TP/PP rank): the
+intra-node stage over the DP group itself, the inter-node stage over a copy of it
+(:func:`~loco_megatron.node_topology.inter_node_group`, created by the group's own ranks only),
+so that with NCCL the two stages run on two streams. With ``async_op`` LoCo's side stream
+(:mod:`loco_megatron.streams`) runs the compress of both stages and the inter-node launch; the
+compute stream waits only for the inter-node result it reads. Bytes each rank sends per bucket: intra ``(L - 1) * M * P`` elements, inter ``(M - 1) * P`` elements at
 ``bits + 32 / block_size`` bits each.
 
 Degenerate topologies: ``L == 1`` (one rank of the group per node) is exactly the flat
@@ -35,14 +39,14 @@ from typing import Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import kernels
+from . import kernels, streams
 from .algorithm import sum_in_rank_order
 from .caches import on_clear
 from .collectives import (TIMER_NAMES, WireStats, check_launch, checked_layout,
                           compensated_reduce_scatter, launch, step_timer)
 from .compensator import Compensator
 from .layout import BucketLayout, ChunkView
-from .node_topology import NodeTopology, group_topology, local_world_size
+from .node_topology import NodeTopology, group_topology, inter_node_group, local_world_size
 
 __all__ = ["INTRA", "INTER", "NodeTopology", "group_topology", "local_world_size",
            "HierarchicalWork", "forget_pending_inter_stages", "hierarchical_reduce_scatter",
@@ -109,18 +113,26 @@ class HierarchicalWork:
     only finishes (the last bucket's inter stage is issued by its own ``wait``). Every rank
     issues the collectives in the same order (bucket order, then waits in order).
 
+    Streams (loco_megatron/streams.py): the wait for the intra-node stage, its sum and the
+    inter-node compress and launch run on LoCo's side stream, and the inter-node all-to-all goes
+    through a process group of its own (:func:`~loco_megatron.node_topology.inter_node_group`:
+    its own NCCL stream), so the compute stream waits only in :meth:`wait`, for the inter-node
+    transfer whose result it reads.
+
     Args:
         group_key: the process group (``_PENDING`` key).
         intra: the intra-node stage's outstanding works.
         stage2: finishes the intra stage and issues the inter stage; returns its works.
         final: decompresses the inter stage into the output shard.
         comm_timer: started and stopped around waits (a Megatron timer).
+        anchor: a tensor of the bucket (its device picks the side stream).
     """
 
     def __init__(self, group_key, intra: List, stage2: Callable[[], List],
-                 final: Callable[[], None], comm_timer):
+                 final: Callable[[], None], comm_timer, anchor: torch.Tensor):
         self._group_key, self._intra, self._stage2, self._final = group_key, intra, stage2, final
         self._comm_timer, self._inter, self._done = comm_timer, None, False
+        self._anchor = anchor
 
     @property
     def inter_issued(self) -> bool:
@@ -128,18 +140,20 @@ class HierarchicalWork:
         return self._inter is not None
 
     def issue_inter(self) -> None:
-        """Wait for the intra-node stage, then compress and issue the inter-node stage (once)."""
+        """On the side stream: wait for the intra-node stage, then compress and issue the
+        inter-node stage (once)."""
         if self._inter is not None:
             return
-        self._comm_timer.start()
-        for w in self._intra:
-            w.wait()
-        self._comm_timer.stop()
-        self._intra = []
         pending = _PENDING.get(self._group_key, [])
         if self in pending:
             pending.remove(self)
-        self._inter = self._stage2()
+        with streams.launch_stream(self._anchor):
+            self._comm_timer.start()
+            for w in self._intra:
+                w.wait()
+            self._comm_timer.stop()
+            self._intra = []
+            self._inter = self._stage2()
 
     def wait(self, timeout=None) -> bool:
         """Issue the inter-node stage if no later call did, wait for it, write the shard."""
@@ -231,23 +245,28 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     order = topo.stage1_order(rank)
     compress_timer, comm_timer, decompress_timer = (step_timer(timers, t) for t in TIMER_NAMES)
 
-    # stage 1: intra-node all-to-all of M shards per peer
-    compress_timer.start()
-    if cfg.intra_node_bits == 16:
-        send = [_reorder(layout.to_padded(input.view(-1), input.dtype), world, order)]
-        units = [M * P]
-    else:
-        payload, scales = compensator.compress((key, INTRA), input.view(-1), layout, bits=8,
-                                               step=step)
-        send = [_reorder(payload, world, order), _reorder(scales, world, order)]
-        units = [M * P, M * K]  # 8-bit codes: one byte per element; K scales per shard
-    compress_timer.stop()
-    recv = [torch.empty(L * u, dtype=t.dtype, device=t.device) for t, u in zip(send, units)]
-    comm_timer.start()
-    works = [dist.all_to_all_single(r, t, output_split_sizes=_splits(peers, world, u),
-                                    input_split_sizes=_splits(peers, world, u), group=group,
-                                    async_op=async_op) for r, t, u in zip(recv, send, units)]
-    comm_timer.stop()
+    inter_group = inter_node_group(group) if M > 1 else None  # its own NCCL stream
+
+    # stage 1: intra-node all-to-all of M shards per peer, from the side stream when async
+    # (streams.py: its receive buffers are read there too, by stage 2, or, with one node, on
+    # the current stream after LoCoWork.wait waited for the all-to-all)
+    with streams.launch_stream(input, enabled=async_op):
+        compress_timer.start()
+        if cfg.intra_node_bits == 16:
+            send = [_reorder(layout.to_padded(input.view(-1), input.dtype), world, order)]
+            units = [M * P]
+        else:
+            payload, scales = compensator.compress((key, INTRA), input.view(-1), layout,
+                                                   bits=8, step=step)
+            send = [_reorder(payload, world, order), _reorder(scales, world, order)]
+            units = [M * P, M * K]  # 8-bit codes: one byte per element; K scales per shard
+        compress_timer.stop()
+        recv = [torch.empty(L * u, dtype=t.dtype, device=t.device) for t, u in zip(send, units)]
+        comm_timer.start()
+        works = [dist.all_to_all_single(r, t, output_split_sizes=_splits(peers, world, u),
+                                        input_split_sizes=_splits(peers, world, u), group=group,
+                                        async_op=async_op) for r, t, u in zip(recv, send, units)]
+        comm_timer.stop()
     if stats is not None:
         intra = (L - 1) * sum(u * t.element_size() for t, u in zip(send, units))
         stats.calls += 1
@@ -283,7 +302,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         comm_timer.start()
         works2 = [dist.all_to_all_single(r, t, output_split_sizes=_splits(column, world, u),
                                          input_split_sizes=_splits(column, world, u),
-                                         group=group, async_op=async_op)
+                                         group=inter_group, async_op=async_op)
                   for r, (t, u) in zip(got, inter)]
         comm_timer.stop()
         if stats is not None:
@@ -316,7 +335,7 @@ def hierarchical_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         return None
     if M == 1:  # no inter-node stage: finishing the intra stage is all wait() does
         return launch(works, lambda: (stage2(), final()), comm_timer, async_op)
-    handle = HierarchicalWork(group_key, works, stage2, final, comm_timer)
+    handle = HierarchicalWork(group_key, works, stage2, final, comm_timer, output)
     _PENDING.setdefault(group_key, []).append(handle)
     return handle
 

@@ -119,3 +119,26 @@ def group_topology(group=None) -> NodeTopology:
             f"ranks (node of a rank: global rank // LOCAL_WORLD_SIZE); every node must run the "
             f"same number of ranks. Check LOCAL_WORLD_SIZE, or drop --loco-hierarchical.")
     return _topology(ranks, lws)
+
+
+#: DP group -> a second process group over the same ranks for the inter-node stage
+_INTER_GROUPS: dict = {}
+
+
+def inter_node_group(group=None):
+    """A process group over ``group``'s ranks (default WORLD), same backend, for the
+    hierarchical inter-node stage (cached per group): with NCCL every process group has its own
+    stream, so a bucket's intra-node all-to-all never queues behind the previous bucket's
+    inter-node transfer on a shared stream (docs/hierarchical.md, "Streams").
+
+    Collective over ``group``'s ranks only (``use_local_synchronization``): every rank of the
+    group calls it at its first hierarchical reduce-scatter on that group, in bucket order, or
+    earlier (``loco_megatron.megatron.plugin`` at the DDP wrap).
+    """
+    group = group if group is not None else dist.group.WORLD
+    inter = _INTER_GROUPS.get(group)
+    if inter is None:
+        ranks = dist.get_process_group_ranks(group)
+        inter = _INTER_GROUPS[group] = dist.new_group(
+            ranks=ranks, backend=dist.get_backend(group), use_local_synchronization=True)
+    return inter

@@ -21,7 +21,8 @@ places. :func:`activate` makes those work on CPU:
 
 It refuses to activate where a GPU is present: emulation is for tests and CPU runs only.
 Limits: torch.compile/dynamo does not trace under the mode (skip JIT warm-up); streams and
-events are no-ops (gloo collectives are synchronous per call).
+events order nothing (work runs at once) but have identity and a current stream
+(:mod:`.stream_model`), which :class:`~.stream_log.StreamLog` uses to check a GPU's ordering.
 """
 
 import contextlib
@@ -33,6 +34,7 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from ..patching import PatchSet
+from . import stream_model
 
 _TYPE_NAMES = {
     "torch.FloatTensor": "torch.cuda.FloatTensor",
@@ -123,36 +125,7 @@ class CpuAsCudaMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Stream:
-    """No-op stand-in for ``torch.cuda.Stream``."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def record_event(self, event=None):
-        return event or _Event()
-
-    def query(self):
-        return True
-
-
-class _Event(_Stream):
-    """No-op stand-in for ``torch.cuda.Event``."""
-
-    def record(self, stream=None):
-        pass
-
-    def elapsed_time(self, other):
-        return 0.0
+_Stream, _Event = stream_model.EmulatedStream, stream_model.EmulatedEvent  # the stand-ins
 
 
 def _rng_warning_filter(record: logging.LogRecord) -> bool:
@@ -209,9 +182,9 @@ def activate() -> None:
             "empty_cache": lambda: None,
             "Stream": _Stream,
             "Event": _Event,
-            "current_stream": lambda *a, **k: _Stream(),
-            "default_stream": lambda *a, **k: _Stream(),
-            "stream": lambda s=None: contextlib.nullcontext(),
+            "current_stream": stream_model.current_stream,
+            "default_stream": stream_model.default_stream,
+            "stream": stream_model.stream,
             "is_current_stream_capturing": lambda: False,  # no CUDA graphs (MoE router, dynamo)
             "manual_seed": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),
             "manual_seed_all": lambda seed: CUDA_GENERATOR.manual_seed(int(seed)),

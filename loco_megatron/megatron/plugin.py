@@ -28,13 +28,14 @@ from ..agreement import check_layouts_agree
 from ..collectives import (GroupWork, InFlight, WireStats, check_launch,
                            compensated_reduce_scatter)
 from ..hierarchical import forget_pending_inter_stages, hierarchical_reduce_scatter
+from ..node_topology import group_topology, inter_node_group
 from ..compensator import Compensator
 from ..config import PER_TOKEN_LOSS, LoCoConfig, LoCoConfigError
 from ..layout import BucketLayout
 from ..metrics import StepMetrics
 from ..nonfinite import NonfiniteMonitor
 from ..patching import PatchSet
-from .. import caches, kernels
+from .. import caches, kernels, streams
 from . import compat, loss_scale, param_reload, param_sync
 from .checkpoint import hooks as ckpt_hooks
 from .report import (buffer_reports, log_buffers, log_chunk_layout,
@@ -214,6 +215,10 @@ def _wrap_ddp_init(orig):
             log_hierarchical_topology(chunk, state.config, [
                 (group.intra_distributed_optimizer_instance_group, layout,
                  bucket.grad_data.element_size()) for group, bucket, layout in compressed])
+            for pg in dict.fromkeys(group.intra_distributed_optimizer_instance_group
+                                    for group, _, _ in compressed):
+                if group_topology(pg).num_nodes > 1:  # now, not in the first backward hook
+                    inter_node_group(pg)
     return __init__
 
 
@@ -409,6 +414,7 @@ def uninstall() -> None:
     caches.clear()  # the layouts and block tables of the models it wrapped
     ckpt_hooks.forget_pending_loads()
     forget_pending_inter_stages()  # handles an interrupted step never waited on
+    streams.forget()
 
 
 @contextlib.contextmanager

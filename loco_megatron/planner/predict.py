@@ -4,13 +4,16 @@ gradient and parameter bytes, communication and kernel time, exposed time, step 
 step-time ratio to stock, and LoCo's extra memory. docs/planner.md states the model and its
 limits.
 
-Step time = compute + compress + exposed gradient communication + decompress + exposed
-parameter all-gather. Compute is the forward + backward of all microbatches; with
+Step time = compute + compress (overlap off) + exposed gradient communication + decompress +
+exposed parameter all-gather. Compute is the forward + backward of all microbatches; with
 ``overlap_grad_reduce`` the reduce-scatters (all-to-alls) can hide only behind the backward of
 the *last* microbatch (megatron's ``no_sync`` holds them back for the others), and with
-``overlap_param_gather`` the all-gathers only behind the first microbatch's forward. LoCo's
-compress runs on the compute stream when a bucket is launched and its decompress when
-megatron waits for it, so both are added, not hidden.
+``overlap_param_gather`` the all-gathers only behind the first microbatch's forward. With
+overlap on, LoCo's compress runs on its side stream (loco_megatron/streams.py), one bucket
+after another from the time its gradients are ready, and a bucket's all-to-all starts when its
+compress ends: the compress is hidden like the communication, except where it delays the last
+collective; overlap off, it is added. The decompress runs on the compute stream when megatron
+waits for a bucket, so it is added; so is ``--loco-param-bits``'s encode.
 """
 
 from dataclasses import dataclass
@@ -180,14 +183,16 @@ def _variant(name, bits, hier, intra, param_bits, buckets: List[Bucket],
         kern_c.append(kc)
         kern_d.append(kd)
     compress, decompress = sum(kern_c), sum(kern_d)
-    if opt.overlap_grad_reduce:
+    if opt.overlap_grad_reduce:  # compress on LoCo's side stream, in bucket order
         ready, done = [], 0.0
         for b, kc in zip(buckets, kern_c):
-            done += kc
-            ready.append(b.ready * bwd_s + done)
-        exposed = exposed_after_window(ready, comm, bwd_s + compress)
+            done = max(done, b.ready * bwd_s) + kc
+            ready.append(done)
+        exposed = exposed_after_window(ready, comm, bwd_s)
+        on_compute = 0.0  # the compute stream does not wait for it
     else:
         exposed = sum(comm)
+        on_compute = compress
     if opt.overlap_param_gather:
         order = sorted(zip(forward_needs([b.ready for b in buckets], fwd_s), ag))
         ag_exposed = exposed_before_use([n for n, _ in order], [t for _, t in order])
@@ -195,8 +200,9 @@ def _variant(name, bits, hier, intra, param_bits, buckets: List[Bucket],
         ag_exposed = sum(ag)
     if param_bits:  # the owner's encode of its shard, every rank's decode of the bucket (fp32)
         sent_buckets = [b for b in buckets if b.group.size > 1]
-        compress += sum(4 * b.numel / b.group.size for b in sent_buckets) / (
+        encode = sum(4 * b.numel / b.group.size for b in sent_buckets) / (
             opt.compress_GBps * 1e9)
+        compress, on_compute = compress + encode, on_compute + encode
         decompress += sum(4 * b.numel for b in sent_buckets) / (opt.decompress_GBps * 1e9)
     copies = (sum(b.numel // b.group.size for b in buckets if b.group.size > 1) * 4
               if param_bits and opt.param_elem == 4 else 0)
@@ -212,7 +218,7 @@ def _variant(name, bits, hier, intra, param_bits, buckets: List[Bucket],
             "error_buffer_bytes": error if bits else 0,
             "transient_wire_bytes_largest_bucket": 2 * max(wire) if wire else None,
             "transient_wire_bytes_all_buckets": 2 * sum(wire) if wire else None,
-            "step_exposed_comm_ms": 1e3 * (compress + exposed + decompress + ag_exposed)}
+            "step_exposed_comm_ms": 1e3 * (on_compute + exposed + decompress + ag_exposed)}
 
 
 def plan(model: ModelSpec, par: ParallelSpec, c: ClusterSpec, opt: PlanOptions) -> Dict:

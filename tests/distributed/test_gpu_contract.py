@@ -34,6 +34,9 @@ def _check(results, overlap=True):
             assert loco == 0, summary
         for name, (calls, seen, summary) in res["planted"].items():  # the mutation test: a
             assert calls > 0 and seen == calls, (name, calls, summary)  # sync in each call seen
+        if res["streams"] is not None:  # one step under the stream log, overlap on
+            assert res["streams"]["hazards"] == [], res["streams"]["hazards"]
+            assert res["streams"]["compress"] and "default" not in res["streams"]["compress"]
 
 
 @pytest.mark.parametrize("case", ["flat", "param4", "fp1d"])

@@ -140,9 +140,18 @@ def contract_worker(rank, world, case, overlap, metrics=False):
                 seen = [e for e in counter.events if e.owner == "loco"
                         and e.where.split(":")[0].endswith(files[name])]
                 planted[name] = (calls.get(name, 0), len(seen), counter.summary(owner="loco"))
+        streams = None
+        if overlap and not metrics and case in ("flat", "hierarchical"):
+            from loco_megatron.emulation.stream_log import StreamLog
+
+            with StreamLog() as log:  # one more step: where megatron's hooks put LoCo's work
+                forward_backward(model, opt)
+                opt.step()
+            streams = {"hazards": log.hazards[:5], "compress": sorted({
+                op.stream.name for op in log.ops if op.name == "loco compress_bucket"})}
         sent = state.wire.calls if state.active else state.param_sync.stats.calls
         return {"buckets": buckets, "steps": steps, "loco_calls": sent, "logging": logging,
-                "planted": planted}
+                "planted": planted, "streams": streams}
     finally:
         loco_megatron.uninstall()
         torch.distributed.barrier()

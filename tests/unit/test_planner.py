@@ -154,8 +154,8 @@ def _llama_plan(gbps, **kw):
 
 def test_monotone_in_link_speed_and_bits():
     """Faster inter-node link: the predicted ratio rises towards 1 while LoCo pays, then
-    settles at LoCo's kernel overhead (compress + decompress are not hidden). More bits: more
-    bytes."""
+    settles at LoCo's kernel overhead (the decompress, and the part of the side stream's
+    compress after backward: not all of the compress). More bits: more bytes."""
     ratios, last = [], None
     for gbps in (10, 25, 100, 400, 1600, 6400, 1e6):
         v = {r["name"]: r for r in _llama_plan(gbps)["variants"]}
@@ -169,8 +169,10 @@ def test_monotone_in_link_speed_and_bits():
     paying = [1 - r for r in ratios if r < 1]
     assert len(paying) >= 3 and all(x > y for x, y in zip(paying, paying[1:]))
     loco, stock = last["LoCo 4-bit flat"], last["stock fp32"]
-    kernels = loco["compress_ms"] + loco["decompress_ms"]
-    assert ratios[-1] == pytest.approx(1 + kernels / stock["step_ms"], abs=2e-3)
+    kernels = loco["compress_ms"] + loco["decompress_ms"]  # compress on the side stream: hidden
+    assert 1 + loco["decompress_ms"] / stock["step_ms"] - 2e-3 <= ratios[-1] \
+        <= 1 + kernels / stock["step_ms"] + 2e-3  # but for the last bucket's
+    assert ratios[-1] < 1 + kernels / stock["step_ms"] - 1e-3
 
 
 def test_cli_prints_table_and_json(capsys):

@@ -2,6 +2,7 @@
 cannot compress."""
 
 import pytest
+import torch
 
 import loco_megatron
 from loco_megatron.config import LoCoConfig, LoCoConfigError
@@ -101,7 +102,8 @@ def test_uninstall_forgets_inter_stages_never_issued():
     from loco_megatron import hierarchical
 
     loco_megatron.install(LoCoConfig(bits=4, hierarchical=True))
-    stale = hierarchical.HierarchicalWork("group", [], lambda: [], lambda: None, None)
+    stale = hierarchical.HierarchicalWork("group", [], lambda: [], lambda: None, None,
+                                           torch.zeros(1))
     hierarchical._PENDING.setdefault("group", []).append(stale)
     loco_megatron.uninstall()
     assert hierarchical._PENDING == {}
