@@ -24,8 +24,9 @@ intra-node stage over the DP group itself, the inter-node stage over a copy of i
 (:func:`~loco_megatron.node_topology.inter_node_group`, created by the group's own ranks only),
 so that with NCCL the two stages run on two streams. With ``async_op`` LoCo's side stream
 (:mod:`loco_megatron.streams`) runs the compress of both stages and the inter-node launch; the
-compute stream waits only for the inter-node result it reads. Bytes each rank sends per bucket: intra ``(L - 1) * M * P`` elements, inter ``(M - 1) * P`` elements at
-``bits + 32 / block_size`` bits each.
+compute stream waits only for the inter-node result it reads. Bytes each rank sends per bucket:
+intra ``(L - 1) * M * P`` elements, inter ``(M - 1) * P`` elements at ``bits + 32 /
+block_size`` bits each.
 
 Degenerate topologies: ``L == 1`` (one rank of the group per node) is exactly the flat
 compensated reduce-scatter (:func:`~loco_megatron.collectives.compensated_reduce_scatter`, same

@@ -39,13 +39,16 @@ import torch
 _SIDE: Dict[object, tuple] = {}
 
 
+def _side(device: torch.device) -> tuple:
+    entry = _SIDE.get(device.index)
+    if entry is None:
+        entry = _SIDE[device.index] = (torch.cuda.Stream(device=device), torch.cuda.Event())
+    return entry
+
+
 def side_stream(device: torch.device):
     """LoCo's side stream on ``device`` (created on first use, default priority)."""
-    key = device.index
-    entry = _SIDE.get(key)
-    if entry is None:
-        entry = _SIDE[key] = (torch.cuda.Stream(device=device), torch.cuda.Event())
-    return entry[0]
+    return _side(device)[0]
 
 
 @contextlib.contextmanager
@@ -65,11 +68,10 @@ def launch_stream(tensor: torch.Tensor, enabled: bool = True):
         yield None
         return
     current = torch.cuda.current_stream()
-    side = side_stream(tensor.device)
+    side, event = _side(tensor.device)
     if current == side:
         yield side
         return
-    event = _SIDE[tensor.device.index][1]
     event.record(current)  # the gradient producer's work so far
     side.wait_event(event)
     with torch.cuda.stream(side):

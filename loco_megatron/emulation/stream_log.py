@@ -293,9 +293,11 @@ class StreamLog(HookReentrantMode):
         return call
 
     def _fused(self, name, fn, reads, writes):
+        signature = inspect.signature(fn)
+
         @functools.wraps(fn)
         def call(*args, **kwargs):
-            bound = inspect.signature(fn).bind(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
             a = bound.arguments
             result = fn(*args, **kwargs)
             produced = [t for t in tensors(result)] if isinstance(result, tuple) else []

@@ -114,12 +114,12 @@ class stream:  # noqa: N801 - torch.cuda.stream's name
 
     def __enter__(self):
         if self.stream is not None:
-            _stack().append(self.stream)
+            self.stream.__enter__()
         return self.stream
 
     def __exit__(self, *exc):
         if self.stream is not None:
-            _stack().pop()
+            self.stream.__exit__(*exc)
 
 
 def set_listener(listener) -> None:

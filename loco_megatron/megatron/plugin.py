@@ -217,8 +217,9 @@ def _wrap_ddp_init(orig):
                  bucket.grad_data.element_size()) for group, bucket, layout in compressed])
             for pg in dict.fromkeys(group.intra_distributed_optimizer_instance_group
                                     for group, _, _ in compressed):
-                if group_topology(pg).num_nodes > 1:  # now, not in the first backward hook
-                    inter_node_group(pg)
+                topo = group_topology(pg)  # the groups with an inter-node stage (2+ nodes,
+                if topo.num_nodes > 1 and topo.per_node > 1:  # 2+ ranks each): created now,
+                    inter_node_group(pg)  # not in the first backward hook
     return __init__
 
 
